@@ -1,0 +1,5 @@
+"""The one exception type the command line turns into a one-line message instead of a traceback."""
+
+
+class UserError(Exception):
+    """Bad input from the user (a file, a flag, a model): the message says what and where."""

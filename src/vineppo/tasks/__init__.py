@@ -1,0 +1,66 @@
+"""Tasks: a loader, a prompt format, a grader and a step splitter, looked up by name.
+
+Adding a task is one new module that calls `register(Task(...))`, imported at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vineppo.errors import UserError
+
+DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem: its id, text, reference solution (the SFT target) and reference final answer."""
+
+    id: str
+    problem: str
+    solution: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything the trainer needs to know about a data set."""
+
+    name: str
+    # load(split, path, seed) -> examples; path None means the task's default source (hub or generator).
+    load: Callable[[str, str | None, int], list[Example]]
+    # grade(completion, reference_answer) -> 1.0 or 0.0; never raises.
+    grade: Callable[[str, str], float]
+    # split_steps(response) -> steps whose concatenation is exactly the response.
+    split_steps: Callable[[str], list[str]]
+    prompt_template: str = DEFAULT_PROMPT
+    splits: tuple[str, ...] = ("train", "validation", "test")
+    # Text that ends a response besides the tokenizer's EOS (a model that starts a new problem).
+    stop: tuple[str, ...] = ("\n\nProblem:",)
+    # Extra keyword knobs the loader accepts (documented per task).
+    options: dict = field(default_factory=dict)
+
+    def prompt(self, example: Example) -> str:
+        """The prompt text for one example."""
+        return self.prompt_template.format(problem=example.problem)
+
+    def target(self, example: Example) -> str:
+        """The SFT target: the response text that follows the prompt."""
+        return " " + example.solution
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    """Add a task to the registry under its name."""
+    TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    """The registered task called `name`, or a UserError listing the known ones."""
+    if name not in TASKS:
+        raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
