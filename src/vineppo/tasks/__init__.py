@@ -64,3 +64,7 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name]
+
+
+# Built-in tasks register themselves on import.
+from vineppo.tasks import arith  # noqa: E402,F401
