@@ -1,0 +1,98 @@
+"""Data parallelism with PyTorch's own launcher: `torchrun --nproc-per-node N -m vineppo train ...`.
+
+Without torchrun every function here is the identity, so single-process code pays nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as tdist
+
+
+def init() -> torch.device:
+    """Join the process group when launched by torchrun (gloo on CPU, NCCL on GPU); return this rank's device."""
+    if "RANK" in os.environ and not tdist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        tdist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def active() -> bool:
+    """True inside a process group of more than one rank."""
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def world() -> int:
+    """Number of ranks (1 without torchrun)."""
+    return tdist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    """This process's rank (0 without torchrun)."""
+    return tdist.get_rank() if active() else 0
+
+
+def is_main() -> bool:
+    """Rank 0 writes checkpoints, logs and progress."""
+    return rank() == 0
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of a list of numbers over all ranks (float64)."""
+    if not active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    tdist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def sum_gradients(model: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over all ranks, in one flat all-reduce."""
+    if not active():
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    tdist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's `obj`, in rank order (a one-element list without torchrun)."""
+    if not active():
+        return [obj]
+    out: list = [None] * world()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's `obj` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank."""
+    if active():
+        tdist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()

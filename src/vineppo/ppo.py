@@ -1,0 +1,219 @@
+"""The PPO update shared by every algorithm: clipped policy loss, k3 KL to the reference, optional critic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vineppo import distributed as dist
+
+
+@dataclass
+class Batch:
+    """Episodes packed right-padded; per-token tensors are aligned with the predicted tokens (length L-1)."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    mask: torch.Tensor  # [B, L-1] 1 on response tokens
+    advantages: torch.Tensor  # [B, L-1]
+    returns: torch.Tensor  # [B, L-1] (zeros without a critic)
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+         advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None) -> Batch:
+    """Right-pad prompt+response sequences and place per-response-token values at their target positions."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    B, L = len(prompts), max(lengths)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask, adv, ret = (torch.zeros((B, L - 1)) for _ in range(3))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, : lengths[i]] = torch.tensor(p + r)
+        attn[i, : lengths[i]] = 1
+        span = slice(len(p) - 1, len(p) - 1 + len(r))  # logits at t predict token t+1
+        mask[i, span] = 1
+        if advantages is not None:
+            adv[i, span] = advantages[i]
+        if returns is not None:
+            ret[i, span] = returns[i]
+    return Batch(ids, attn, mask, adv, ret)
+
+
+def token_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of each next token under softmax(logits / T), and the entropy of that distribution."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip: float, kl_coef: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate plus kl_coef * k3(ref || policy), summed over masked tokens and divided by n_tokens."""
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    d = ref_logp - logp
+    kl = torch.exp(d) - d - 1
+    loss = ((-surrogate + kl_coef * kl) * mask).sum() / n_tokens
+    with torch.no_grad():
+        stats = {"kl": float((kl * mask).sum()), "clipped": float((((ratio - 1).abs() > clip).float() * mask).sum())}
+    return loss, stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float, n_tokens: float) -> torch.Tensor:
+    """0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), summed over masked tokens / n_tokens."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * (err * mask).sum() / n_tokens
+
+
+class Critic(nn.Module):
+    """A value model: the SFT model's transformer body with a scalar head on every position."""
+
+    def __init__(self, body: nn.Module, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: torch.device) -> "Critic":
+        """A critic whose body is the causal LM at `path` without its LM head."""
+        from transformers import AutoModel
+
+        body = AutoModel.from_pretrained(path).to(device)
+        return cls(body, body.config.hidden_size).to(device)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """V(prefix) for every target position: [B, L-1]."""
+        hidden = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        return self.head(hidden[:, :-1].float()).squeeze(-1)
+
+    @torch.no_grad()
+    def values(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,
+               micro_batch: int = 16) -> list[torch.Tensor]:
+        """Per-response-token values (the value of the state before each token), one tensor per response."""
+        out = []
+        for i in range(0, len(prompts), micro_batch):
+            p, r = prompts[i:i + micro_batch], responses[i:i + micro_batch]
+            batch = pack(p, r, pad_id)
+            v = self(_to(batch, self.head.weight.device)).cpu()
+            out += [v[j][batch.mask[j].bool()] for j in range(len(p))]
+        return out
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return Batch(*(t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.mask, batch.advantages,
+                                          batch.returns)))
+
+
+def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Shift and scale all tokens' advantages (over every rank) to mean 0, std 1."""
+    flat = torch.cat(advantages).double()
+    n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat**2).sum())])
+    mean = s / max(n, 1)
+    std = math.sqrt(max(ss / max(n, 1) - mean**2, 0.0))
+    return [((a - mean) / (std + 1e-8)).float() for a in advantages]
+
+
+@dataclass
+class UpdateConfig:
+    """The knobs of one PPO update (a view of TrainConfig)."""
+
+    epochs: int
+    minibatch: int  # episodes per optimiser step, over all ranks
+    micro_batch: int  # episodes per forward/backward on one rank
+    clip: float
+    kl_coef: float
+    temperature: float
+    grad_clip: float
+    value_clip: float
+
+
+def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
+               responses: list[list[int]], advantages: list[torch.Tensor], cfg: UpdateConfig, pad_id: int,
+               generator: torch.Generator, critic: Critic | None = None,
+               critic_optimizer: torch.optim.Optimizer | None = None, returns: list[torch.Tensor] | None = None,
+               old_values: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """`cfg.epochs` passes of clipped-PPO minibatch steps over this rank's episodes; returns summed statistics.
+
+    Every rank holds an equal share of each global minibatch; the loss is divided by the minibatch's token
+    count over all ranks and gradients are summed across ranks, so N processes take the same step as one.
+    """
+    device = next(policy.parameters()).device
+    n = len(prompts)
+    micro = _micro_batches(list(range(n)), cfg.micro_batch)
+    old_logp, ref_logp = {}, {}
+    with torch.no_grad():  # log-probs before the update, and under the frozen reference
+        for idx in micro:
+            b = _to(pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id), device)
+            old, _ = token_logprobs(policy, b, cfg.temperature)
+            ref, _ = token_logprobs(reference, b, cfg.temperature)
+            for j, i in enumerate(idx):
+                old_logp[i], ref_logp[i] = old[j], ref[j]
+    per_rank = max(1, cfg.minibatch // dist.world())
+    totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0, "value_loss": 0.0,
+              "grad_norm": 0.0, "steps": 0.0}
+    for _ in range(cfg.epochs):
+        order = torch.randperm(n, generator=generator).tolist()
+        for start in range(0, n, per_rank):
+            mb = order[start:start + per_rank]
+            n_tok = dist.all_sum([float(sum(len(responses[i]) for i in mb))])[0]
+            optimizer.zero_grad(set_to_none=True)
+            if critic_optimizer is not None:
+                critic_optimizer.zero_grad(set_to_none=True)
+            for idx in _micro_batches(mb, cfg.micro_batch):
+                b = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id,
+                         [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None)
+                b = _to(b, device)
+                old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
+                ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
+                logp, entropy = token_logprobs(policy, b, cfg.temperature)
+                loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
+                loss.backward()
+                totals["loss"] += float(loss) * n_tok
+                totals["kl"] += stats["kl"]
+                totals["clipped"] += stats["clipped"]
+                totals["entropy"] += float((entropy.detach() * b.mask).sum())
+                totals["tokens"] += float(b.mask.sum())
+                if critic is not None:
+                    v = critic(b)
+                    ov = _pad_values([old_values[i] for i in idx], b.mask, device)
+                    vl = value_loss(v, ov, b.returns, b.mask, cfg.value_clip, n_tok)
+                    vl.backward()
+                    totals["value_loss"] += float(vl) * n_tok
+            dist.sum_gradients(policy)  # each rank's loss is already divided by the global token count
+            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+            optimizer.step()
+            if critic is not None:
+                dist.sum_gradients(critic)
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+                critic_optimizer.step()
+            totals["steps"] += 1
+    return totals
+
+
+def _micro_batches(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i:i + size] for i in range(0, len(indices), max(1, size))]
+
+
+def _stack(rows: list[torch.Tensor], shape: torch.Size, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(shape, device=device)
+    for j, r in enumerate(rows):
+        out[j, : len(r)] = r[: shape[1]]
+    return out
+
+
+def _pad_values(values: list[torch.Tensor], mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(mask.shape, device=device)
+    for j, v in enumerate(values):
+        out[j][mask[j].bool()] = v.to(device)
+    return out

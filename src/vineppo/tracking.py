@@ -1,0 +1,67 @@
+"""Where a run's numbers go: metrics.jsonl (always), TensorBoard (default), Weights & Biases (when asked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+class Tracker:
+    """Appends one JSON line per logged step and mirrors scalars to TensorBoard / W&B."""
+
+    def __init__(self, out: Path, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict | None = None, keep_until: int | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.path = out / "metrics.jsonl"
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if keep_until is not None and self.path.exists():  # a resumed run drops lines past its checkpoint
+            lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+            kept = [ln for ln in lines if json.loads(ln).get("iteration", 0) <= keep_until]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                from vineppo.errors import UserError
+
+                raise UserError("--wandb needs the wandb package: pip install 'vineppo[wandb]'") from None
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(out))
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Record `metrics` for iteration `step`."""
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"iteration": step, **metrics}) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        """Flush and close the writers."""
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def progress_bar(enabled: bool = True) -> Progress:
+    """A terminal progress bar with a free-text status column (phase, reward, accuracy) and an ETA."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=console, disable=not enabled, transient=False)
