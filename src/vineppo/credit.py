@@ -152,12 +152,10 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     for i, per_state in zip(owners, rollouts):
         ep = episodes[i]
         for start, samples in zip((s for s, _ in ep.steps), per_state):
-            prefix = ep.response_ids[:start]
-            wins = [
-                ctx.grade(ctx.tokenizer.decode(prefix + s.token_ids, skip_special_tokens=True), ep.answer)
-                if s.finish_reason == "stop" else 0.0
-                for s in samples
-            ]
+            # A step boundary falls between characters, so decoding the prefix once and appending each
+            # continuation's text gives the full text.
+            prefix = ctx.tokenizer.decode(ep.response_ids[:start], skip_special_tokens=True)
+            wins = [ctx.grade(prefix + s.text, ep.answer) if s.finish_reason == "stop" else 0.0 for s in samples]
             state_values[i].append(sum(wins) / len(wins))
             n_cont += len(samples)
             n_tokens += sum(len(s.token_ids) for s in samples)
