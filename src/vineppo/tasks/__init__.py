@@ -67,4 +67,4 @@ def get_task(name: str) -> Task:
 
 
 # Built-in tasks register themselves on import.
-from vineppo.tasks import arith  # noqa: E402,F401
+from vineppo.tasks import arith, gsm8k, math  # noqa: E402,F401

@@ -1,0 +1,54 @@
+"""`gsm8k`: grade-school word problems (Cobbe et al., 2021); answers are the number after `####`.
+
+Source: a local JSONL with fields `question` and `answer` (`--data PATH`), else the Hugging Face Hub
+data set `openai/gsm8k` (config `main`). The hub has train and test; validation is 500 train problems
+chosen by a fixed seed (the same for every run), and train is the rest. Given a local file, `test` is the
+whole file and `train`/`validation` are carved from it the same way. Ids are `gsm8k-<source>-<index>`,
+the index of the record in its source file, so a problem keeps its id whichever split it lands in.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vineppo.errors import UserError
+from vineppo.grading import grade_gsm8k
+from vineppo.steps import split_newlines
+from vineppo.tasks import Example, Task, register
+from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
+
+HUB = ("openai/gsm8k", "main")
+SPLITS = ("train", "validation", "test")
+_CALC = re.compile(r"<<[^<>]*>>")  # calculator annotations: `48/2 = <<48/2=24>>24` -> `48/2 = 24`
+
+
+def parse_record(record: dict, where: str) -> tuple[str, str, str]:
+    """(problem, solution without calculator annotations, final answer) of one GSM8K record."""
+    solution = _CALC.sub("", record["answer"]).strip()
+    if "####" not in solution:
+        raise UserError(f"{where}: field 'answer' has no final '#### <answer>' line")
+    answer = solution.rsplit("####", 1)[1].strip()
+    if not answer:
+        raise UserError(f"{where}: field 'answer' has an empty '####' line")
+    return record["question"].strip(), solution, answer
+
+
+def load_gsm8k(split: str, path: str | None = None, seed: int = 0) -> list[Example]:
+    """GSM8K problems of `split` from `path` (JSONL) or the hub; `seed` is unused (the validation carve is fixed)."""
+    check_split("gsm8k", split, SPLITS)
+    source = "test" if split == "test" else "train"
+    fields = ("question", "answer")
+    if path is None:
+        records = load_hub(*HUB, split=source, task="gsm8k", required=fields)
+    else:
+        records = read_jsonl(path, required=fields)
+    pairs = list(enumerate(records)) if split == "test" else carve(records, split)
+    out = []
+    for i, record in pairs:
+        loc = f"{path}:{i + 1}" if path is not None else f"hub {HUB[0]} {source} record {i}"  # line = index + 1
+        problem, solution, answer = parse_record(record, loc)
+        out.append(Example(id=f"gsm8k-{source}-{i}", problem=problem, solution=solution, answer=answer))
+    return out
+
+
+register(Task(name="gsm8k", load=load_gsm8k, grade=grade_gsm8k, split_steps=split_newlines, splits=SPLITS))
