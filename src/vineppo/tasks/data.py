@@ -6,6 +6,7 @@ import json
 import os
 import random
 import socket
+import threading
 from pathlib import Path
 
 from vineppo.errors import UserError
@@ -58,12 +59,20 @@ def _offline() -> bool:
 
 
 def _reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the Hub opens within `timeout` seconds."""
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+    """Whether a TCP connection to the Hub opens within `timeout` seconds (DNS included, hence the thread)."""
+    ok = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(ok)
 
 
 def load_hub(repo: str, config: str | None, split: str, task: str, required: tuple[str, ...],
