@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import vineppo.steps as steps_mod
 from vineppo.steps import (MAX_STEP_CHARS, math_spans, split_math, split_newlines, step_token_ranges,
                            token_char_offsets)
 
@@ -137,6 +138,23 @@ def test_token_char_offsets_byte_level_bpe():
     assert ranges[0][0] == 0 and ranges[-1][1] == len(ids)
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert ranges[-1][1] - 1 == len(ids) - 1  # EOS belongs to the last step
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_token_char_offsets_fast_path_matches_exact(monkeypatch, kind):
+    if kind == "bytelevel":
+        tok = _bpe_tokenizer()
+    else:  # SentencePiece style: a decode drops the leading space of its first token
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        tok.train_from_iterator(["we add two and get five then we stop"] * 20,
+                                trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    text = "we add two and get five. Caf\u00e9 \u65e5\u672c \U0001F600 then we stop " * 12
+    ids = tok.encode(text).ids
+    fast = token_char_offsets(tok, ids)
+    monkeypatch.setattr(steps_mod, "RESYNC_EVERY", 1)  # every offset by a whole-prefix decode
+    assert fast == token_char_offsets(tok, ids)
 
 
 def test_token_char_offsets_char_tokenizer():

@@ -182,7 +182,9 @@ def _serve() -> None:
     logging.disable(logging.CRITICAL)
     from math_verify import parse, verify
 
-    print("ready", flush=True)
+    reply = sys.stdout
+    sys.stdout = sys.stderr  # a library's stray print must not be read as an answer
+    print("ready", file=reply, flush=True)
     for line in sys.stdin:
         try:
             pred, gold, t = json.loads(line)
@@ -190,7 +192,7 @@ def _serve() -> None:
                         parse("\\boxed{" + pred + "}", parsing_timeout=t), timeout_seconds=t)
         except BaseException:  # noqa: BLE001 - anything at all is a wrong answer, never a dead worker
             ok = False
-        print("1" if ok else "0", flush=True)
+        print("1" if ok else "0", file=reply, flush=True)
 
 
 def math_equal(pred: str, gold: str, timeout: float = MATH_TIMEOUT) -> bool:

@@ -182,23 +182,48 @@ def step_token_ranges(step_texts: list[str], token_char_offsets: list[int]) -> l
     return ranges
 
 
+RESYNC_EVERY = 32  # tokens between exact (whole-prefix) decodes in token_char_offsets
+_CONTEXT = 4  # tokens decoded before the new one, so tokenizer quirks at a decode's start cancel out
+
+
 def token_char_offsets(tokenizer, token_ids: list[int]) -> list[int]:
     """Each token's starting character offset in `tokenizer.decode(token_ids, skip_special_tokens=True)`.
 
-    Decodes every prefix and takes the length of its common prefix with the full text, which stays right
-    for byte-level BPE where a prefix ending mid-character decodes to a replacement character.
+    The exact offset of token j is the length of the common prefix of decode(ids[:j]) and the full text; that
+    stays right for byte-level BPE, where a prefix ending mid-character decodes to a replacement character.
+    Decoding every prefix is quadratic, so offsets advance by decoding a few tokens of context plus the new
+    one (a leading-space quirk at a decode's start appears in both and cancels), with an exact decode every
+    RESYNC_EVERY tokens and whenever a replacement character or an inconsistency shows up.
     """
-    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    ids = list(token_ids)
+
+    def decode(x: list[int]) -> str:
+        return tokenizer.decode(x, skip_special_tokens=True)
+
+    text = decode(ids)
+
+    def exact(j: int) -> int:
+        prefix = decode(ids[:j]) if j else ""
+        if text.startswith(prefix):
+            return len(prefix)
+        n = 0
+        for x, y in zip(prefix, text):
+            if x != y:
+                break
+            n += 1
+        return n
+
     offsets, last = [], 0
-    for j in range(len(token_ids)):
-        prefix = tokenizer.decode(list(token_ids[:j]), skip_special_tokens=True) if j else ""
-        n = len(prefix)
-        if not text.startswith(prefix):
-            n = 0
-            for x, y in zip(prefix, text):
-                if x != y:
-                    break
-                n += 1
-        last = max(last, min(n, len(text)))
+    for j in range(len(ids)):
+        if j == 0 or j % RESYNC_EVERY == 0:
+            off = exact(j)
+        else:
+            ctx = ids[max(0, j - 1 - _CONTEXT) : j - 1]
+            before, after = decode(ctx), decode(ctx + [ids[j - 1]])
+            if after.startswith(before) and "\ufffd" not in after[len(before) :]:
+                off = last + len(after) - len(before)
+            else:
+                off = exact(j)
+        last = max(last, min(off, len(text)))
         offsets.append(last)
     return offsets
