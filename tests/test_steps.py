@@ -116,7 +116,8 @@ def _bpe_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["The answer is $x = 3$.\nThen we add 2 and get 5.", "Caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001F600"] * 20
+    corpus = ["The answer is $x = 3$.\nThen we add 2 and get 5.",
+              "Caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001F600"] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return tok

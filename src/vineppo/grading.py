@@ -67,7 +67,7 @@ _BARE = re.compile(r" \s*([^\s$]+)")
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed x`) in `text`, brace-balanced; None if none."""
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed x`) brace-balanced, or None."""
     last = None
     for last in _BOXED.finditer(text):
         pass

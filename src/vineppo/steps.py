@@ -49,7 +49,7 @@ _CLOSE = {"$$": re.compile(r"\\.|\$\$", re.S), "$": re.compile(r"\\.|\$|\n\s*\n"
 
 
 def math_spans(text: str) -> list[tuple[int, int]]:
-    """The [start, end) character spans of math in `text`: `$..$`, `$$..$$`, `\\[..\\]`, `\\(..\\)`, environments, `[asy]`.
+    """The [start, end) spans of math in `text`: `$..$`, `$$..$$`, `\\[..\\]`, `\\(..\\)`, environments, `[asy]`.
 
     An unclosed region runs to the end of the text; an unclosed inline one (`$`, `\\(`) to the next blank line,
     since LaTeX allows no paragraph break inside inline math.
