@@ -1,0 +1,410 @@
+"""`vineppo analyze-values`: how accurate is each method's value of an intermediate state?
+
+The paper's two diagnostics (section 7), on states the policy itself visits:
+
+1. Value error. States are prefixes of the policy's own responses (prompt + first t steps; 8 responses
+   per problem, T = 0.6, top-p 0.9, one random state per response). Ground truth V(s) = mean reward of
+   `--gt-k` (256) continuations. Each method's estimate is compared with it (mean absolute error):
+   - VinePPO with K = 1, 3, 9: means over continuations disjoint from the ground-truth ones (one batched
+     job draws gt_k + 13 continuations per state; the first gt_k are the truth, then 1, 3 and 9);
+   - the PPO critic of a `vineppo train --algo ppo` run (`--critic RUN`): its output at the last token
+     of the state, i.e. the value before the next token;
+   - GRPO and RLOO, which in effect give every state of a response one baseline: the mean reward of the
+     response's group (GRPO), or of the other responses in the group (RLOO).
+2. Step ranking. At a state, `--alternatives` (5) next steps are sampled (a continuation cut after its
+   first step, `task.split_steps`) and each one's ground-truth value comes from gt_k rollouts. For
+   every pair of alternatives an estimator is right when the sign of its predicted difference equals the
+   sign of the true difference; a predicted tie is wrong (so GRPO/RLOO, which predict one value for all
+   alternatives, score 0). Pairs whose ground-truth values are exactly equal have no right answer and are
+   excluded; their number is reported. An alternative that ends the response (EOS, or truncation) is a
+   terminal state: every estimator that looks at the state (VinePPO, the critic) gets its reward, which is
+   what PPO's advantage r + V(s') = r uses too.
+
+The ground truth is itself a Monte Carlo mean: with 256 rollouts its standard error is at most
+0.5 / 16 = 0.031, so small MAEs (VinePPO K = 9) include that noise floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vineppo.engine import SamplingParams
+from vineppo.errors import UserError
+from vineppo.steps import step_token_ranges, token_char_offsets
+
+METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
+K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order
+EXTRA_K = sum(k for _, k in K_SLICES)  # 13 continuations per state beyond the ground truth
+RESPONSES_PER_PROBLEM = 8  # as in training: a group for GRPO/RLOO
+TEMPERATURE, TOP_P = 0.6, 0.9  # the training sampling settings
+
+
+# ------------------------------------------------------------------------------------ pure arithmetic
+
+
+def mae(pred: list[float], true: list[float]) -> float | None:
+    """Mean absolute error; None when there is nothing to compare."""
+    if len(pred) != len(true):
+        raise ValueError("pred and true differ in length")
+    return sum(abs(p - t) for p, t in zip(pred, true)) / len(true) if true else None
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def pairwise_ranking_accuracy(pred: list[float], true: list[float]) -> tuple[int, int, int]:
+    """(right, counted, excluded) over all pairs: right when sign(pred diff) == sign(true diff) != 0; true ties excluded."""
+    right = counted = excluded = 0
+    for i in range(len(true)):
+        for j in range(i + 1, len(true)):
+            t = _sign(true[i] - true[j])
+            if t == 0:  # no right answer: the pair says nothing about the estimator
+                excluded += 1
+                continue
+            counted += 1
+            right += _sign(pred[i] - pred[j]) == t  # a predicted tie (sign 0) is never right
+    return right, counted, excluded
+
+
+def mc_estimates(rewards: list[float], gt_k: int) -> dict[str, float]:
+    """Ground truth ('true') and VinePPO K = 1, 3, 9 estimates from disjoint slices of one list of rewards."""
+    if len(rewards) < gt_k + EXTRA_K:
+        raise ValueError(f"need {gt_k + EXTRA_K} rewards, got {len(rewards)}")
+    out = {"true": sum(rewards[:gt_k]) / gt_k}
+    start = gt_k
+    for name, k in K_SLICES:
+        out[name] = sum(rewards[start:start + k]) / k
+        start += k
+    return out
+
+
+def group_baselines(group_rewards: list[float], member: int) -> dict[str, float]:
+    """The value GRPO and RLOO implicitly give every state of response `member`: group mean, leave-one-out mean."""
+    n, total = len(group_rewards), sum(group_rewards)
+    rloo = (total - group_rewards[member]) / (n - 1) if n > 1 else 0.0
+    return {"grpo": total / n, "rloo": rloo}
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+
+@dataclass
+class Node:
+    """A state: the tokens seq[:boundary], where the prompt is seq[:prompt_len]; `terminal` holds its reward if it ends."""
+
+    seq: list[int]
+    boundary: int
+    prompt_len: int
+    answer: str
+    terminal: float | None = None
+
+
+def _reward(grade: Callable[[str, str], float], text: str, sample, answer: str) -> float:
+    """The training reward of a completed text: graded when it stopped, 0 when cut off by the length limit."""
+    return grade(text, answer) if sample.finish_reason == "stop" else 0.0
+
+
+def sample_states(engine, tokenizer, task, examples: list, n_states: int, params: SamplingParams,
+                  generator: torch.Generator, rng: random.Random) -> list[dict]:
+    """Up to n_states states, one per sampled response (t uniform in 0..T-1), with the response's group rewards."""
+    from vineppo.models import encode_prompt
+
+    n_problems = min(len(examples), math.ceil(n_states / RESPONSES_PER_PROBLEM))
+    problems = rng.sample(examples, n_problems)
+    prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in problems]
+    outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator)
+    states = []
+    for ex, prompt, samples in zip(problems, prompts, outputs):
+        rewards = [_reward(task.grade, s.text, s, ex.answer) for s in samples]
+        for m, s in enumerate(samples):
+            steps = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
+            t = rng.randrange(len(steps))
+            node = Node(prompt + list(s.token_ids), len(prompt) + steps[t][0], len(prompt), ex.answer)
+            states.append({"node": node, "problem": ex.id, "t": t, "steps": len(steps), "reward": rewards[m],
+                           **group_baselines(rewards, m)})
+    return states[:n_states]
+
+
+def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, params: SamplingParams,
+                        generator: torch.Generator) -> list[list[Node]]:
+    """For each state, n_alt sampled next steps (continuations cut after their first step) as new states."""
+    if not nodes:
+        return []
+    conts = engine.continuations([n.seq for n in nodes], [[n.boundary] for n in nodes], n_alt, params, generator)
+    out = []
+    for node, (samples,) in zip(nodes, conts):
+        prefix = _prefix_text(tokenizer, node)
+        alts = []
+        for s in samples:
+            ranges = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
+            end = ranges[0][1]
+            state = node.seq[:node.boundary] + list(s.token_ids[:end])
+            if end == 0:  # a token spans the first step: no state after it to value
+                continue
+            if end >= len(s.token_ids):  # the first step is the whole continuation: the response ends there
+                alts.append(Node(state, len(state), node.prompt_len, node.answer,
+                                 terminal=_reward(task.grade, prefix + s.text, s, node.answer)))
+            else:
+                alts.append(Node(state, len(state), node.prompt_len, node.answer))
+        out.append(alts)
+    return out
+
+
+def _prefix_text(tokenizer, node: Node) -> str:
+    # Boundaries fall between characters, so the prefix decoded once + a continuation's text is the full text
+    # (the same convention as the `vine` estimator).
+    return tokenizer.decode(node.seq[node.prompt_len:node.boundary], skip_special_tokens=True)
+
+
+def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes: list[Node], k: int,
+                    params: SamplingParams, generator: torch.Generator,
+                    progress: Callable[[int], None] | None = None) -> list[list[float]]:
+    """k continuation rewards per state from ONE batched engine job; a terminal state gets its reward k times."""
+    live = [i for i, n in enumerate(nodes) if n.terminal is None]
+    conts = engine.continuations([nodes[i].seq for i in live], [[nodes[i].boundary] for i in live], k, params,
+                                 generator, progress) if live else []
+    out = [[n.terminal] * k if n.terminal is not None else None for n in nodes]
+    for i, (samples,) in zip(live, conts):
+        prefix = _prefix_text(tokenizer, nodes[i])
+        out[i] = [_reward(grade, prefix + s.text, s, nodes[i].answer) for s in samples]
+    return out
+
+
+# ------------------------------------------------------------------------------------ the analysis
+
+
+def analyze(engine, tokenizer, task, examples: list, states: int = 64, gt_k: int = 256, ranking_states: int = 16,
+            alternatives: int = 5, seed: int = 0, max_new_tokens: int = 1024,
+            critic_values: Callable[[list[Node]], list[float]] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> dict:
+    """Value MAE and step-ranking accuracy of every method against Monte Carlo ground truth (see module doc)."""
+    rng = random.Random(seed)
+    gen = torch.Generator(device=getattr(engine, "device", "cpu")).manual_seed(seed)
+    params = SamplingParams(TEMPERATURE, TOP_P, max_new_tokens, tuple(task.stop))
+    t0 = time.perf_counter()
+    picked = sample_states(engine, tokenizer, task, examples, states, params, gen, rng)
+    ranked = sorted(rng.sample(range(len(picked)), min(ranking_states, len(picked))))
+    alts = sample_alternatives(engine, tokenizer, task, [picked[i]["node"] for i in ranked], alternatives, params, gen)
+
+    # One Monte Carlo job for every state and every alternative: the engine batches and shares prefixes.
+    nodes = [s["node"] for s in picked] + [a for group in alts for a in group]
+    k = gt_k + EXTRA_K
+    total = k * sum(n.terminal is None for n in nodes)
+    t1 = time.perf_counter()
+    rewards = rollout_rewards(engine, tokenizer, task.grade, nodes, k, params, gen,
+                              (lambda done: progress(done, total)) if progress else None)
+    t2 = time.perf_counter()
+    est = [mc_estimates(r, gt_k) for r in rewards]
+    critic = critic_values(nodes) if critic_values else [None] * len(nodes)
+    for i, n in enumerate(nodes):
+        # A terminal state's value is its reward, for the critic as for PPO's advantage r + V(s') = r.
+        est[i]["ppo_critic"] = n.terminal if n.terminal is not None else critic[i]
+
+    rows = []
+    for s, e in zip(picked, est):
+        rows.append({"problem": s["problem"], "t": s["t"], "steps": s["steps"], "reward": s["reward"],
+                     "true": e["true"], **{m: e[m] for m in METHODS if m.startswith("vineppo") or m == "ppo_critic"},
+                     "grpo": s["grpo"], "rloo": s["rloo"]})
+    truth = [r["true"] for r in rows]
+    maes = {m: None if any(r[m] is None for r in rows) else mae([r[m] for r in rows], truth) for m in METHODS}
+
+    # Ranking: the alternatives of state i are est[offset : offset + len(alts[i])].
+    right = dict.fromkeys(METHODS, 0)
+    counted = excluded = 0
+    offset = len(picked)
+    for i, group in zip(ranked, alts):
+        e = est[offset:offset + len(group)]
+        offset += len(group)
+        true = [x["true"] for x in e]
+        for m in METHODS:
+            if m in ("grpo", "rloo"):
+                pred = [picked[i][m]] * len(group)  # one baseline for every token of the response
+            elif m == "ppo_critic" and critic_values is None:
+                continue
+            else:
+                pred = [x[m] for x in e]
+            r, c, x = pairwise_ranking_accuracy(pred, true)
+            right[m] += r
+            if m == "grpo":  # every method sees the same pairs; count them once
+                counted, excluded = counted + c, excluded + x
+    ranking = {m: (right[m] / counted if counted else None) if (m != "ppo_critic" or critic_values) else None
+               for m in METHODS}
+    return {"mae": maes, "ranking_accuracy": ranking, "states": len(rows),
+            "ranking": {"states": len(ranked), "alternatives": sum(len(g) for g in alts),
+                        "pairs": counted, "pairs_excluded_true_tie": excluded},
+            "settings": {"gt_k": gt_k, "alternatives": alternatives, "seed": seed, "temperature": TEMPERATURE,
+                         "top_p": TOP_P, "max_new_tokens": max_new_tokens,
+                         "responses_per_problem": RESPONSES_PER_PROBLEM},
+            "timing": {"sampling_s": t1 - t0, "monte_carlo_s": t2 - t1, "continuations": total,
+                       "seconds_per_state": (t2 - t1) / max(total // k, 1)},
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------ the critic
+
+
+def load_critic(run_dir: str, device: torch.device):
+    """(critic, checkpoint folder) from a PPO run folder: RUN/checkpoints/<latest>/critic.pt on the policy's body."""
+    from vineppo.ppo import Critic
+
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        raise UserError(f"--critic {run_dir}: no checkpoints/latest (not a finished `vineppo train` run folder)")
+    ckpt = pointer.parent / pointer.read_text().strip()
+    if not (ckpt / "critic.pt").is_file():
+        raise UserError(f"--critic {run_dir}: {ckpt} has no critic.pt (was it trained with --algo ppo?)")
+    critic = Critic.from_pretrained(str(ckpt), device)
+    critic.load_state_dict(torch.load(ckpt / "critic.pt", map_location=device)["critic"])
+    return critic.eval(), ckpt
+
+
+def critic_state_values(critic, pad_id: int) -> Callable[[list[Node]], list[float]]:
+    """A function giving V(seq[:boundary]) per state: the critic's output at the state's last token."""
+
+    def values(nodes: list[Node]) -> list[float]:
+        # Critic.values returns the value before each response token; a one-token dummy "response" after the
+        # state gives exactly the value before the next token (attention is causal, the dummy is never seen).
+        out = critic.values([n.seq[:n.boundary] for n in nodes], [[pad_id]] * len(nodes), pad_id)
+        return [float(v[0]) for v in out]
+
+    return values
+
+
+# ------------------------------------------------------------------------------------ output
+
+LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
+          "ppo_critic": "PPO critic", "grpo": "GRPO (group mean)", "rloo": "RLOO (leave-one-out mean)"}
+
+
+def print_table(result: dict, console) -> None:
+    """The MAE / ranking table in the terminal."""
+    from rich.table import Table
+
+    rk = result["ranking"]
+    table = Table(title=f"value estimates on {result['states']} states (ground truth: {result['settings']['gt_k']} "
+                        f"rollouts)")
+    table.add_column("method")
+    table.add_column("MAE", justify="right")
+    table.add_column(f"step ranking ({rk['pairs']} pairs)", justify="right")
+    for m in METHODS:
+        a, r = result["mae"][m], result["ranking_accuracy"][m]
+        table.add_row(LABELS[m], "n/a" if a is None else f"{a:.4f}", "n/a" if r is None else f"{r:.1%}")
+    console.print(table)
+    console.print(f"ranking: {rk['states']} states, {rk['alternatives']} alternative steps, {rk['pairs']} pairs "
+                  f"counted; {rk['pairs_excluded_true_tie']} pairs with exactly equal true values excluded; a "
+                  f"predicted tie counts as wrong.")
+    if result["mae"]["ppo_critic"] is None:
+        console.print("PPO critic: not evaluated (no --critic RUN_DIR given).")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Predicted vs true value, one panel per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(12, 8), sharex=True, sharey=True)
+    truth = [r["true"] for r in result["rows"]]
+    for ax, m in zip(axes.flat, METHODS):
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+        if result["mae"][m] is None:
+            ax.text(0.5, 0.5, "not evaluated\n(no --critic)", ha="center", va="center")
+        else:
+            ax.scatter(truth, [r[m] for r in result["rows"]], s=12, alpha=0.6)
+        ax.set_title(LABELS[m] + ("" if result["mae"][m] is None else f"  MAE {result['mae'][m]:.3f}"), fontsize=10)
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_ylim(-0.05, 1.05)
+    for ax in axes[-1]:
+        ax.set_xlabel(f"true value ({result['settings']['gt_k']} rollouts)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("predicted value")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `vineppo analyze-values`."""
+    p.add_argument("--model", default=None, help="policy folder (default with --critic: that run's latest checkpoint)")
+    p.add_argument("--task", default="arith", help="task name (default: arith)")
+    p.add_argument("--critic", default=None, metavar="RUN_DIR", help="a `vineppo train --algo ppo` run folder")
+    p.add_argument("--states", type=int, default=64, help="states whose value is estimated (default 64)")
+    p.add_argument("--gt-k", type=int, default=256, help="rollouts per state for the ground truth (default 256)")
+    p.add_argument("--ranking-states", type=int, default=None,
+                   help="states for step ranking (default: a fifth of --states; each costs --alternatives states)")
+    p.add_argument("--alternatives", type=int, default=5, help="alternative next steps per ranking state (default 5)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--data", default=None, help="data file for tasks that read one")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="response / continuation length cap")
+    p.add_argument("--token-budget", type=int, default=65536, help="engine: max rows x tokens in one decode batch")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for values.json and values.png (default: runs/values-<time>)")
+    p.add_argument("--json", action="store_true", help="print the MAE / ranking summary as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `vineppo analyze-values`."""
+    from rich.console import Console
+
+    from vineppo.engine import Engine
+    from vineppo.models import load_model, pick_device
+    from vineppo.tasks import get_task
+    from vineppo.tracking import console as err_console
+    from vineppo.tracking import progress_bar
+
+    ranking_states = args.ranking_states if args.ranking_states is not None else math.ceil(args.states / 5)
+    if args.states < 1 or args.gt_k < 1 or ranking_states < 0:
+        raise UserError("--states and --gt-k must be >= 1 and --ranking-states >= 0")
+    if ranking_states and args.alternatives < 2:
+        raise UserError("--alternatives must be >= 2 to rank steps (or pass --ranking-states 0)")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be >= 1")
+    task = get_task(args.task)
+    examples = task.load(args.split, args.data, args.seed)
+    if not examples:
+        raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
+    device = pick_device(args.device)
+    critic, ckpt = load_critic(args.critic, device) if args.critic else (None, None)
+    model_dir = args.model or (str(ckpt) if ckpt else None)
+    if model_dir is None:
+        raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
+    model, tokenizer = load_model(model_dir, device=str(device))
+    engine = Engine(model, tokenizer, token_budget=args.token_budget)
+    critic_fn = critic_state_values(critic, tokenizer.pad_token_id) if critic is not None else None
+
+    bar = progress_bar()
+    job = bar.add_task("value rollouts", total=None, status="sampling states and alternatives")
+    with bar:
+        result = analyze(engine, tokenizer, task, examples, states=args.states, gt_k=args.gt_k,
+                         ranking_states=min(ranking_states, args.states), alternatives=args.alternatives,
+                         seed=args.seed, max_new_tokens=args.max_new_tokens, critic_values=critic_fn,
+                         progress=lambda done, total: bar.update(job, completed=done, total=total, status=""))
+    result["model"], result["critic"], result["task"] = model_dir, args.critic, args.task
+
+    out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "values.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "values.png")
+    print_table(result, err_console if args.json else Console())
+    tm = result["timing"]
+    err_console.print(f"{tm['continuations']} continuations in {tm['monte_carlo_s']:.1f}s ({tm['seconds_per_state']:.2f}s "
+                      f"per state of {args.gt_k + EXTRA_K} rollouts); wrote {out / 'values.json'}, {out / 'values.png'}")
+    if args.json:
+        print(json.dumps({k: result[k] for k in ("mae", "ranking_accuracy", "states")}))
+    return 0
+
