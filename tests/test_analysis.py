@@ -1,6 +1,7 @@
 """`vineppo analyze-values`: the MAE / ranking arithmetic by hand, the pipeline on a fake engine, one tiny smoke run."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def test_cli_smoke_on_tiny_model(tmp_path, capsys):
     model_dir = build_tiny(get_task("arith"), tmp_path / "tiny", hidden=32, layers=1, heads=2, mlp=64)
     # a fake PPO run folder: checkpoints/latest -> iter-000001 with the policy and a critic.pt
     ckpt = tmp_path / "ppo" / "checkpoints" / "iter-000001"
-    build_tiny(get_task("arith"), ckpt, hidden=32, layers=1, heads=2, mlp=64)
+    shutil.copytree(model_dir, ckpt)
     (ckpt.parent / "latest").write_text("iter-000001\n")
     critic = Critic.from_pretrained(str(ckpt), torch.device("cpu"))
     torch.save({"critic": critic.state_dict(), "optimizer": {}}, ckpt / "critic.pt")
