@@ -1,0 +1,184 @@
+"""Base models: load any causal LM (hub id or local folder), or build the tiny from-scratch model for CPU runs.
+
+The tiny model is an ordinary transformers model (Llama by default; GPT-2 and Qwen2 for tests) with a
+byte-level BPE tokenizer trained on the task's text, where every digit is its own token. Both are saved
+with `save_pretrained`, so every later stage loads it exactly like a hub model: `load_model(folder)`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from vineppo.errors import UserError
+
+EOS = "<|endoftext|>"
+TINY_SIZE = dict(hidden=256, layers=4, heads=4)  # default tiny model; mlp width = 3x (llama/qwen2) or 4x (gpt2)
+TINY_CONTEXT = 1024
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """The requested device, or cuda when available, else cpu."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype from a name like 'bf16' or 'float32'; None or 'auto' stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    if dtype not in _DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def quiet_transformers() -> None:
+    """Turn off transformers' per-file progress bars and info logs (our commands draw their own)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _looks_local(name: str) -> bool:
+    """True for names that can only be a local path (not an `org/model` hub id)."""
+    if name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or "\\" in name:
+        return True
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        return True
+    return "/" in name and Path(name.split("/")[0]).is_dir()  # e.g. runs/sft-arith when runs/ exists
+
+
+def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
+               verbose: bool = True):
+    """(model, tokenizer) from a local folder or hub id; pad token = eos if missing; model in eval mode on device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    name = str(path_or_hub_id)
+    dev = pick_device(device)
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise UserError(f"model folder {name} has no config.json (not a saved model, or an unfinished one)")
+        src, local_only = str(local), True
+    elif _looks_local(name):
+        raise UserError(f"model folder {name} not found")
+    elif _offline():
+        src, local_only = name, True  # only the local hub cache may answer
+    else:
+        src, local_only = name, False
+    torch_dtype = parse_dtype(dtype) or torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local_only, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        why = "not in the local cache and HF_HUB_OFFLINE is set" if (local_only and not local.is_dir()) else \
+            str(e).strip().splitlines()[0][:200]
+        raise UserError(f"cannot load model {name}: {why}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(dev).eval()
+    if verbose:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"loaded {name}: {type(model).__name__}, {n / 1e6:.1f}M params, {torch_dtype} on {dev}", file=sys.stderr)
+    return model, tokenizer
+
+
+def context_length(model) -> int:
+    """The longest sequence the model accepts (max_position_embeddings), or a large number if unknown."""
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 20)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a prompt, with the tokenizer's own special prefix (e.g. BOS) if it adds one."""
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def encode_target(tokenizer, text: str) -> list[int]:
+    """Token ids of a response that follows a prompt, followed by EOS (the SFT target)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer (digits split one per token, exact round trip) trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS,
+                                   model_max_length=TINY_CONTEXT, clean_up_tokenization_spaces=False)
+
+
+def tiny_config(arch: str, vocab_size: int, eos_id: int, hidden: int, layers: int, heads: int, mlp: int):
+    """A small transformers config of the given architecture ('llama', 'qwen2' or 'gpt2')."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                  tie_word_embeddings=True)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=heads,
+                           max_position_embeddings=TINY_CONTEXT, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=heads,
+                           max_position_embeddings=TINY_CONTEXT, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=hidden, n_inner=mlp, n_layer=layers, n_head=heads, n_positions=TINY_CONTEXT,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    raise UserError(f"unknown tiny architecture {arch!r}; use llama, qwen2 or gpt2")
+
+
+def tiny_model(task, seed: int = 0, arch: str = "llama", vocab_size: int = 512, data: str | None = None, **size):
+    """(model, tokenizer): a freshly initialised tiny model and a tokenizer trained on the task's train split."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    examples = task.load("train", data, seed)
+    if not examples:
+        raise UserError(f"task {task.name!r} has no training examples to build a tokenizer from")
+    tokenizer = train_tokenizer([task.prompt(ex) + task.target(ex) for ex in examples], vocab_size)
+    dims = {**TINY_SIZE, **{k: v for k, v in size.items() if v}}
+    dims.setdefault("mlp", dims["hidden"] * (4 if arch == "gpt2" else 3))
+    config = tiny_config(arch, len(tokenizer), tokenizer.eos_token_id, **dims)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def build_tiny(task, out_dir: str | Path, seed: int = 0, arch: str = "llama", **size) -> Path:
+    """Build the tiny model + tokenizer for `task` and save both (safetensors) into out_dir; returns out_dir."""
+    model, tokenizer = tiny_model(task, seed=seed, arch=arch, **size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,64 @@
+"""Base models: the tiny model's tokenizer, save/load round trip, one-line errors for bad model names."""
+
+import pytest
+import torch
+
+from vineppo.errors import UserError
+from vineppo.models import build_tiny, load_model, train_tokenizer
+from vineppo.tasks import Task, get_task, register
+from vineppo.tasks.arith import load_arith
+
+ARITH = get_task("arith")
+MINI = register(Task(name="arith-mini-models", grade=ARITH.grade, split_steps=ARITH.split_steps,
+                     load=lambda split, path=None, seed=0: load_arith(split, path, seed, size=200 if split == "train" else 4)))
+SIZE = dict(hidden=32, layers=2, heads=2)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    exs = MINI.load("train", None, 0)
+    return [MINI.prompt(e) + MINI.target(e) for e in exs]
+
+
+def test_tokenizer_round_trip_and_single_digit_tokens(texts):
+    tok = train_tokenizer(texts, vocab_size=400)
+    extra = ["a\n\n  b\t c ", "  leading and trailing  ", "Problem:\nX\n\nSolution: 12 * 3 = 36\n#### 36", "ünïcode ✓"]
+    for t in texts + extra:
+        assert tok.decode(tok(t)["input_ids"]) == t
+    ids = tok("9081726354", add_special_tokens=False)["input_ids"]
+    assert [tok.decode([i]) for i in ids] == list("9081726354")
+    assert tok.eos_token == tok.pad_token and tok.eos_token_id is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_build_tiny_save_load_identical_logits(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    out = build_tiny(MINI, tmp_path / arch, seed=1, arch=arch, **SIZE)
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    model, tok = load_model(out, device="cpu", verbose=False)
+    ref = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([tok("Problem:\nAva has 12 apples.")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref.eval()(ids).logits)
+    assert model.config.model_type == arch
+
+
+def test_missing_folder_is_one_line_error(tmp_path):
+    with pytest.raises(UserError, match="not found") as e:
+        load_model(tmp_path / "nope")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="not found"):
+        load_model("./runs/sft-does-not-exist")
+
+
+def test_folder_without_config_is_error(tmp_path):
+    with pytest.raises(UserError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_hub_id_offline_is_fast_one_line_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="cannot load model") as e:
+        load_model("vineppo-test-org/no-such-model-123")
+    assert "\n" not in str(e.value)
