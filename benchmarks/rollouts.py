@@ -1,0 +1,259 @@
+"""Benchmark of the rollout engine on the Monte Carlo workload of one VinePPO iteration (small scale).
+
+    python benchmarks/rollouts.py [--json] [--model DIR] [--naive-fraction 0.2] [--threads N]
+
+Workload: 64 prompts, one response each (T=0.6, top-p 0.9), every step boundary of every response
+(the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
+
+Reports
+- native: the engine's throughput (generated tokens/s) on the whole continuation workload;
+- naive: Hugging Face ``model.generate(do_sample=True, num_return_sequences=K)`` over left-padded batches
+  of prefixes, every prefix re-encoded (a fraction of the prefixes, for time; tokens up to EOS count);
+- limit: bare batched decode steps of the same model at the engine's batch size with a cache of realistic
+  length (``model(input_ids=next_token, cache=cache)`` in a loop, no sampling, no masks);
+- speedup = native / naive, fraction_of_limit = native / limit.
+
+Without ``--model``: a randomly initialised Llama (hidden 256, 4 layers, vocabulary 64), random 60-100
+token prompts, random 40-80 token "responses" with a boundary every ~12 tokens, continuations of 60 new
+tokens (a random model never emits EOS, so every continuation runs to the length limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+from vineppo.engine import Engine, SamplingParams
+
+K = 9
+N_PROMPTS = 64
+
+
+def _threads(n=None):
+    if not n:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:
+            n = os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def random_setup(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    V = 64
+    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=688, vocab_size=V, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                      max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    rng = random.Random(seed)
+    seqs, bounds = [], []
+    for _ in range(N_PROMPTS):
+        p = [rng.randrange(2, V) for _ in range(rng.randint(60, 100))]
+        r = [rng.randrange(2, V) for _ in range(rng.randint(40, 80))]
+        b = [len(p)] + [len(p) + t for t in range(12, len(r) - 4, 12)]
+        seqs.append(p + r)
+        bounds.append(b)
+    return model, None, seqs, bounds, SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=60), 1
+
+
+def _token_boundary(tokenizer, ids, char_offset):
+    """Smallest m with len(decode(ids[:m])) >= char_offset."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= char_offset:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def model_setup(path, seed=0):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    stop: tuple[str, ...] = ()
+    try:  # prompts of the project's arith task when available
+        from vineppo.tasks import get_task
+
+        task = get_task("arith")
+        exs = task.load("train", None, seed)[:N_PROMPTS]
+        prompts = [tok(task.prompt(e), add_special_tokens=True)["input_ids"] for e in exs]
+        stop = tuple(task.stop)
+        split = task.split_steps
+    except Exception as e:  # noqa: BLE001
+        print(f"(arith task unavailable: {e}; random prompts)", file=sys.stderr)
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(60, 100))] for _ in range(N_PROMPTS)]
+        split = lambda text: text.splitlines(keepends=True)  # noqa: E731
+    params = SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=256, stop=stop)
+    eng = Engine(model, tok)
+    g = torch.Generator().manual_seed(seed)
+    resp = eng.generate(prompts, 1, params, generator=g)
+    seqs, bounds = [], []
+    for p, r in zip(prompts, resp):
+        s = r[0]
+        steps = split(s.text) or [s.text]
+        offs, acc = [], 0
+        for st in steps[:-1]:
+            acc += len(st)
+            offs.append(acc)
+        b = [len(p)]
+        for o in offs:
+            t = len(p) + _token_boundary(tok, s.token_ids, o)
+            if b[-1] < t < len(p) + len(s.token_ids):
+                b.append(t)
+        seqs.append(p + s.token_ids)
+        bounds.append(b)
+    return model, tok, seqs, bounds, params, 0
+
+
+class _NullTok:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+    def batch_decode(self, ids, skip_special_tokens=False):
+        return ["" for _ in ids]
+
+
+def run_native(model, tok, seqs, bounds, params, seed=0):
+    eng = Engine(model, tok or _NullTok())
+    rows = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] == 1 else None,
+        with_kwargs=True)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        out = eng.continuations(seqs, bounds, K, params, generator=g)
+        dt = time.perf_counter() - t0
+    finally:
+        hook.remove()
+    n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
+    n_cont = sum(len(x) for r in out for x in r)
+    return n_tok / dt, dict(seconds=dt, tokens=n_tok, continuations=n_cont, decode_steps=len(rows),
+                            mean_rows=sum(rows) / max(1, len(rows)), max_rows=max(rows, default=0))
+
+
+def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_id, seed=0):
+    prefixes = [s[:b] for s, bs in zip(seqs, bounds) for b in bs]
+    rng = random.Random(seed)
+    rng.shuffle(prefixes)
+    prefixes = prefixes[: max(batch_prefixes, int(len(prefixes) * fraction))]
+    pad = 0 if tok is None or tok.pad_token_id is None else tok.pad_token_id
+    torch.manual_seed(seed)
+    n_tok = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prefixes), batch_prefixes):
+            batch = prefixes[i : i + batch_prefixes]
+            P = max(map(len, batch))
+            ids = torch.full((len(batch), P), pad, dtype=torch.long)
+            am = torch.zeros_like(ids)
+            for r, p in enumerate(batch):
+                ids[r, P - len(p):] = torch.tensor(p)
+                am[r, P - len(p):] = 1
+            kw = dict(stop_strings=list(params.stop), tokenizer=tok) if (params.stop and tok is not None) else {}
+            out = model.generate(ids, attention_mask=am, do_sample=True, temperature=params.temperature,
+                                 top_p=params.top_p, top_k=0, num_return_sequences=K,
+                                 max_new_tokens=params.max_new_tokens, pad_token_id=pad,
+                                 eos_token_id=eos_id, **kw)[:, P:]
+            for row in out.tolist():
+                n_tok += (row.index(eos_id) + 1) if eos_id is not None and eos_id in row else len(row)
+    dt = time.perf_counter() - t0
+    return n_tok / dt, dict(seconds=dt, tokens=n_tok, prefixes=len(prefixes))
+
+
+def run_limit(model, rows, ctx_len, steps=30):
+    from transformers import DynamicCache
+
+    sig = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    V = model.get_output_embeddings().weight.shape[0]
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=torch.randint(2, V, (rows, ctx_len), device=dev), use_cache=True, **{sig: cache})
+        nxt = torch.randint(2, V, (rows, 1), device=dev)
+        for _ in range(3):  # warm up
+            nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
+        dt = time.perf_counter() - t0
+    return rows * steps / dt
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", help="a saved Hugging Face model folder (default: tiny random Llama)")
+    ap.add_argument("--naive-fraction", type=float, default=0.2, help="share of prefixes the naive baseline runs")
+    ap.add_argument("--naive-batch", type=int, default=32, help="prefixes per naive generate() call (x K rows)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (default: the machine's cores; use fewer when others share the machine)")
+    args = ap.parse_args(argv)
+    threads = _threads(args.threads)
+
+    if args.model:
+        model, tok, seqs, bounds, params, note = model_setup(args.model)
+        eos_id = tok.eos_token_id
+    else:
+        model, tok, seqs, bounds, params, note = random_setup()
+        eos_id = None
+    n_bounds = sum(map(len, bounds))
+    native, ninfo = run_native(model, tok, seqs, bounds, params)
+    naive, vinfo = run_naive(model, tok, seqs, bounds, params, args.naive_batch, args.naive_fraction, eos_id)
+    rows = int(round(ninfo["mean_rows"]))
+    mean_prefix = sum(b for bs in bounds for b in bs) / n_bounds
+    mean_cont = ninfo["tokens"] / max(1, ninfo["continuations"])
+    ctx = int(mean_prefix + mean_cont / 2)
+    limit = run_limit(model, rows, ctx)
+    res = {
+        "native_tokens_per_s": native,
+        "naive_tokens_per_s": naive,
+        "speedup": native / naive,
+        "limit_tokens_per_s": limit,
+        "fraction_of_limit": native / limit,
+        "model": args.model or "random-llama-h256-l4",
+        "threads": threads,
+        "boundaries": n_bounds,
+        "continuations": ninfo["continuations"],
+        "native_tokens": ninfo["tokens"],
+        "native_seconds": ninfo["seconds"],
+        "mean_decode_rows": ninfo["mean_rows"],
+        "naive_prefixes": vinfo["prefixes"],
+        "naive_seconds": vinfo["seconds"],
+        "limit_rows": rows,
+        "limit_context": ctx,
+        "random_model_never_emits_eos": bool(note),
+    }
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"model: {res['model']}  threads: {threads}")
+    if note:
+        print("random model: it never emits EOS, so every continuation runs to max_new_tokens")
+    print(f"workload: {len(seqs)} responses, {n_bounds} boundaries, K={K} -> {ninfo['continuations']} continuations, "
+          f"{ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
+          f"max_new_tokens={params.max_new_tokens})")
+    print(f"native engine : {native:9.0f} tokens/s  ({ninfo['seconds']:.1f} s, {ninfo['decode_steps']} decode steps, "
+          f"mean batch {ninfo['mean_rows']:.0f} rows)")
+    print(f"naive HF      : {naive:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, {vinfo['seconds']:.1f} s)")
+    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens)")
+    print(f"speedup {res['speedup']:.2f}x, fraction of limit {res['fraction_of_limit']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
