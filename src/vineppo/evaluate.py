@@ -1,0 +1,196 @@
+"""`vineppo eval`: pass@1 (the paper's protocol: mean correctness over 16 samples at T=0.35, top-p 0.9)
+and greedy accuracy of a model on a task, with per-problem results in a JSONL file.
+
+For GSM8K-format solutions (`a op b = c` lines, then `#### answer`) `first_error_step` says where a wrong
+response first goes wrong: a wrong result on line i, or a wrong number copied into it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from vineppo.errors import UserError
+from vineppo.models import context_length, encode_prompt, load_model
+from vineppo.tasks import Example, Task, get_task
+
+_LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+_FINAL = re.compile(r"^\s*####\s*(.*?)\s*$")
+
+
+def _parse(line: str) -> tuple[int, str, int, int] | None:
+    m = _LINE.match(line)
+    return (int(m[1]), m[2].replace("x", "*"), int(m[3]), int(m[4])) if m else None
+
+
+def _apply(a: int, op: str, b: int) -> Fraction:
+    return Fraction(a + b if op == "+" else a - b if op == "-" else a * b) if op != "/" else \
+        (Fraction(a, b) if b else Fraction(-10**9))
+
+
+def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
+    """(line index, kind) of the first mistake in a GSM8K-format response, or None if it matches the reference.
+
+    kinds: 'arithmetic <op>' (the result of a correct `a op b` is wrong), 'operand' (a wrong number copied
+    from the problem or the previous line), 'operator' (wrong operation), 'format' (unparsable line),
+    'stopped early', 'extra step', 'answer' (steps right, final answer wrong).
+    """
+    ref = [_parse(line) for line in example.solution.split("\n") if _parse(line)]
+    lines = [line for line in response.strip("\n ").split("\n") if line.strip()]
+    steps = [line for line in lines if not _FINAL.match(line)]
+    final = next((_FINAL.match(line)[1] for line in lines if _FINAL.match(line)), None)
+    for i, (ra, rop, rb, _) in enumerate(ref):
+        if i >= len(steps):
+            return i, "stopped early"
+        got = _parse(steps[i])
+        if got is None:
+            return i, "format"
+        a, op, b, c = got
+        if op != rop:
+            return i, "operator"
+        if (a, b) != (ra, rb):
+            return i, "operand"
+        if Fraction(c) != _apply(a, op, b):
+            return i, f"arithmetic {op}"
+    if len(steps) > len(ref):
+        return len(ref), "extra step"
+    if final is None or final.replace(",", "") != example.answer:
+        return len(ref), "answer"
+    return None
+
+
+def _correct(task: Task, sample, answer: str) -> float:
+    """Reward of one sample: the task's grade; a response cut off by the token limit counts as wrong."""
+    return 0.0 if sample.finish_reason == "length" else task.grade(sample.text, answer)
+
+
+def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
+             top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
+             token_budget: int = 65536) -> dict:
+    """{'pass@1', 'greedy', 'problems', 'samples', 'results': per-problem rows} for `examples` (seeded)."""
+    from vineppo.engine import Engine, SamplingParams
+
+    if not examples:
+        raise UserError(f"task {task.name!r}: no problems to evaluate (empty data set)")
+    if samples < 0 or max_new_tokens < 1:
+        raise UserError("--samples must be >= 0 and --max-new-tokens >= 1")
+    prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
+    ctx = context_length(model)
+    for ex, p in zip(examples, prompts):
+        if len(p) >= ctx:
+            raise UserError(f"prompt of problem {ex.id!r} is {len(p)} tokens; the model's context is {ctx}")
+    max_new_tokens = min(max_new_tokens, ctx - max(len(p) for p in prompts))
+    engine = Engine(model, tokenizer, token_budget=token_budget)
+    was_training = model.training
+    model.eval()
+    sampled = [[] for _ in prompts]
+    if samples > 0:
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=task.stop)
+        sampled = engine.generate(prompts, n=samples, params=params,
+                                  generator=torch.Generator().manual_seed(seed), progress=progress)
+    greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
+    greedy = engine.generate(prompts, n=1, params=greedy_params, generator=torch.Generator().manual_seed(seed),
+                             progress=progress)
+    model.train(was_training)
+
+    rows = []
+    for ex, outs, g in zip(examples, sampled, greedy):
+        marks = [_correct(task, s, ex.answer) for s in outs]
+        g_ok = _correct(task, g[0], ex.answer)
+        rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": sum(marks) / len(marks) if marks else None},
+                         correct=int(sum(marks)), samples=len(marks), greedy=g_ok, greedy_text=g[0].text,
+                         sample_texts=[s.text for s in outs], sample_correct=marks))
+    scored = [r["pass@1"] for r in rows if r["pass@1"] is not None]
+    return {"pass@1": sum(scored) / len(scored) if scored else None,
+            "greedy": sum(r["greedy"] for r in rows) / len(rows),
+            "problems": len(rows), "samples": samples, "results": rows}
+
+
+def error_histogram(examples: list[Example], rows: list[dict]) -> dict[str, Counter]:
+    """Counters of first-error kind and first-error line over every wrong sampled (or greedy) response."""
+    kinds, lines = Counter(), Counter()
+    for ex, row in zip(examples, rows):
+        texts = list(zip(row["sample_texts"], row["sample_correct"])) or [(row["greedy_text"], row["greedy"])]
+        for text, ok in texts:
+            if ok:
+                continue
+            err = first_error_step(ex, text)
+            kind, line = ("right answer, graded wrong (truncated?)", -1) if err is None else (err[1], err[0])
+            kinds[kind] += 1
+            lines[line] += 1
+    return {"kind": kinds, "line": lines}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `vineppo eval`."""
+    p.add_argument("--model", default=None, help="model folder or hub id (default: runs/sft-<task>)")
+    p.add_argument("--task", default="arith", help="task name (default: arith)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--data", default=None, help="data file for tasks that read one")
+    p.add_argument("--samples", type=int, default=16, help="samples per problem for pass@1 (default 16)")
+    p.add_argument("--temperature", type=float, default=0.35)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--out", default=None, help="per-problem JSONL (default: <model>/eval-<task>-<split>.jsonl)")
+    p.add_argument("--errors", action="store_true", help="print where wrong responses first go wrong")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the scores")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `vineppo eval` from parsed flags."""
+    from vineppo.sft import default_sft_dir
+
+    task = get_task(args.task)
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be at least 1")
+    examples = task.load(args.split, args.data, args.seed)[: args.limit]
+    if not examples:
+        raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
+    name = args.model or str(default_sft_dir(args.task))
+    model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        job, last = bar.add_task("eval", total=len(examples) * (args.samples + 1)), [0]
+
+        def tick(done: int) -> None:  # the engine reports finished samples, counting from 0 in each batch job
+            bar.advance(job, done - last[0] if done >= last[0] else done)
+            last[0] = done
+
+        res = evaluate(model, tokenizer, task, examples, samples=args.samples, temperature=args.temperature,
+                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick)
+    out = Path(args.out) if args.out else (Path(name) if Path(name).is_dir() else Path("runs") / name.replace("/", "--")) \
+        / f"eval-{args.task}-{args.split}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
+    summary = {k: res[k] for k in ("pass@1", "greedy", "problems", "samples")}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    p1 = "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.4f}"
+    print(f"{args.task}/{args.split}: pass@1 {p1} ({args.samples} samples, T={args.temperature}, "
+          f"top-p {args.top_p})  greedy {summary['greedy']:.4f}  problems {summary['problems']}")
+    print(f"per-problem results: {out}", file=sys.stderr)
+    if args.errors:
+        hist = error_histogram(examples, res["results"])
+        total = sum(hist["kind"].values())
+        print(f"first error of {total} wrong responses, by kind:")
+        for kind, n in hist["kind"].most_common():
+            print(f"  {kind:<20} {n:6d}  {n / max(total, 1):6.1%}")
+        print("by line (0 = first step):")
+        for line, n in sorted(hist["line"].items()):
+            print(f"  line {line:<3} {n:6d}  {n / max(total, 1):6.1%}")
+    return 0

@@ -1,0 +1,243 @@
+"""`vineppo sft`: supervised fine-tuning on a task's reference solutions (the starting point of RL).
+
+Each example is prompt + " " + solution + EOS; the loss is the mean cross-entropy over the target tokens
+only. AdamW, linear warmup then cosine decay, gradient clipping at 1.0, batches of similar length. The
+final model is written atomically (temp folder, then rename), so a killed run never leaves half a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from vineppo.errors import UserError
+from vineppo.models import context_length, encode_prompt, encode_target, load_model, pick_device, tiny_model
+from vineppo.tasks import get_task
+
+# Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
+TINY_DEFAULTS = dict(lr=2e-3, epochs=1.0, batch_size=32, warmup=0.03)
+PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
+
+
+def default_sft_dir(task: str) -> Path:
+    """Where the default SFT model for `task` lives: runs/sft-<task>."""
+    return Path("runs") / f"sft-{task}"
+
+
+def is_saved_model(path: str | Path) -> bool:
+    """True when `path` holds a complete saved model (config and weights)."""
+    p = Path(path)
+    return (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin")))
+
+
+def ensure_sft_model(task: str, out: str | Path | None = None, **hyperparams) -> Path:
+    """The SFT model folder for `task`, training it with the defaults first if it does not exist yet."""
+    out = Path(out) if out is not None else default_sft_dir(task)
+    if is_saved_model(out):
+        return out
+    return run_sft(task, out=out, **hyperparams)
+
+
+def tokenize_examples(tokenizer, task, examples, max_len: int) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) per example; examples longer than max_len are dropped."""
+    data = []
+    for ex in examples:
+        p = encode_prompt(tokenizer, task.prompt(ex))
+        ids = p + encode_target(tokenizer, task.target(ex))
+        if len(ids) <= max_len:
+            data.append((ids, len(p)))
+    return data
+
+
+def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of indices with similar lengths (sort within chunks of 50 batches)."""
+    idx = list(range(len(lengths)))
+    rng.shuffle(idx)
+    chunk = batch_size * 50
+    batches = []
+    for s in range(0, len(idx), chunk):
+        part = sorted(idx[s:s + chunk], key=lambda i: lengths[i])
+        batches += [part[b:b + batch_size] for b in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(items: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and labels (-100 on prompt and padding)."""
+    width = max(len(ids) for ids, _ in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(items):
+        t = torch.tensor(ids)
+        input_ids[i, :len(ids)] = t
+        labels[i, n_prompt:len(ids)] = t[n_prompt:]
+        mask[i, :len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def lr_at(step: int, total: int, warmup: int) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def temp_dir(out: Path) -> Path:
+    """A fresh temp folder next to `out`, where a run writes until it is complete."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_atomic(model, tokenizer, tmp: Path, out: Path) -> None:
+    """Save model + tokenizer into the temp folder `tmp`, then swap it into place as `out`."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, data: str | None = None,
+            epochs: float | None = None, lr: float | None = None, batch_size: int | None = None,
+            max_steps: int | None = None, warmup: float | None = None, seed: int = 0, device: str | None = None,
+            bf16: bool | None = None, arch: str = "llama", hidden: int | None = None, layers: int | None = None,
+            grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True) -> Path:
+    """Fine-tune `model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
+    task = get_task(task_name)
+    out = Path(out) if out is not None else default_sft_dir(task_name)
+    dev = pick_device(device)
+    torch.manual_seed(seed)
+    if model == "tiny":
+        net, tokenizer = tiny_model(task, seed=seed, arch=arch, data=data, hidden=hidden, layers=layers)
+        net.to(dev)
+        defaults = TINY_DEFAULTS
+    else:
+        net, tokenizer = load_model(model, device=str(dev), dtype=torch.float32)
+        defaults = PRETRAINED_DEFAULTS
+    hp = {k: v if v is not None else defaults[k] for k, v in
+          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
+    if hp["batch_size"] < 1 or hp["lr"] <= 0 or hp["epochs"] <= 0:
+        raise UserError("--batch-size, --lr and --epochs must be positive")
+    use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if bf16 is None else bf16
+
+    examples = task.load("train", data, seed)
+    if not examples:
+        raise UserError(f"task {task_name!r}: the training set is empty")
+    items = tokenize_examples(tokenizer, task, examples, context_length(net))
+    if not items:
+        raise UserError(f"task {task_name!r}: every training example is longer than the model's context")
+    rng = random.Random(seed)
+    lengths = [len(ids) for ids, _ in items]
+    per_epoch = math.ceil(len(items) / hp["batch_size"])
+    total = max_steps if max_steps is not None else math.ceil(per_epoch * hp["epochs"])
+    if total < 1:
+        raise UserError("--max-steps must be at least 1")
+    warm = max(1, int(hp["warmup"] * total))
+
+    if grad_checkpointing:
+        net.gradient_checkpointing_enable()
+    net.train()
+    decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=hp["lr"], betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm))
+
+    config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
+                  device=str(dev), bf16=use_bf16, arch=arch if model == "tiny" else None, **hp)
+    t0 = time.time()
+    tmp = temp_dir(out)
+    try:
+        _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, log_every, progress, tmp, opt, sched)
+        config["time_s"] = round(time.time() - t0, 1)
+        (tmp / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_atomic(net, tokenizer, tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, log_every, progress, tmp, opt,
+           sched) -> None:
+    """The training loop; metrics go to tmp/metrics.jsonl as it runs."""
+    batches: list[list[int]] = []
+    t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
+    bar = _progress(progress)
+    with bar, open(tmp / "metrics.jsonl", "w") as log:
+        job = bar.add_task("sft", total=total, loss=float("nan"), tps=0.0)
+        for step in range(total):
+            if not batches:
+                batches = length_batches(lengths, hp["batch_size"], rng)
+            batch = {k: v.to(dev) for k, v in collate([items[i] for i in batches.pop()], tokenizer.pad_token_id).items()}
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+                loss = net(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            tokens += int(batch["attention_mask"].sum())
+            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            if (step + 1) % log_every == 0 or step + 1 == total:
+                elapsed = time.time() - t0
+                row = dict(step=step + 1, loss=round(loss_sum / loss_n, 5), lr=sched.get_last_lr()[0],
+                           tokens_per_s=round(tokens / elapsed, 1), elapsed_s=round(elapsed, 1))
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.update(job, loss=row["loss"], tps=row["tokens_per_s"])
+                loss_sum, loss_n = 0.0, 0
+            bar.update(job, advance=1)
+    net.eval()
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:.0f} tok/s"),
+                    TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `vineppo sft`."""
+    p.add_argument("--task", default="arith", help="task name (default: arith)")
+    p.add_argument("--model", default="tiny", help="hub id, local folder, or 'tiny' to build the small CPU model")
+    p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (tiny: 1, pretrained: 3)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3, pretrained: 1e-5)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step (tiny: 32, pretrained: 64)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
+    p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps (default 0.03)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 autocast (default: on for CUDA GPUs that support it)")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "gpt2"], help="tiny model architecture")
+    p.add_argument("--hidden", type=int, default=None, help="tiny model width")
+    p.add_argument("--layers", type=int, default=None, help="tiny model depth")
+    p.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory (large models)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `vineppo sft` from parsed flags."""
+    out = run_sft(args.task, model=args.model, out=args.out, data=args.data, epochs=args.epochs, lr=args.lr,
+                  batch_size=args.batch_size, max_steps=args.max_steps, warmup=args.warmup, seed=args.seed,
+                  device=args.device, bf16=args.bf16, arch=args.arch, hidden=args.hidden, layers=args.layers,
+                  grad_checkpointing=args.grad_checkpointing)
+    print(f"saved SFT model to {out}")
+    return 0
