@@ -84,6 +84,54 @@ class _Group:
         self.col = col  # (row, boundary b) -> column of logits
 
 
+class _BufferLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in a preallocated buffer [N, H, capacity, D].
+
+    ``DynamicLayer.update`` concatenates, copying the whole cache every step; here the new column is
+    written in place and ``keys``/``values`` are views ``[:, :, start:n]`` (``start`` > 0 after trimming
+    all-padding columns on the left). The buffer grows (by copying) only if it runs out of room.
+    """
+
+    def __init__(self, keys, values, extra):
+        super().__init__()
+        N, H, L, D = keys.shape
+        self.extra = extra
+        self.kb = keys.new_zeros(N, H, L + extra, D)
+        self.vb = values.new_zeros(N, H, L + extra, D)
+        self.kb[:, :, :L] = keys
+        self.vb[:, :, :L] = values
+        self.start, self.n = 0, L
+        self.device, self.is_initialized = keys.device, True
+        self._views()
+
+    def _views(self):
+        self.keys = self.kb[:, :, self.start : self.n]
+        self.values = self.vb[:, :, self.start : self.n]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        m = key_states.shape[-2]
+        if self.n + m > self.kb.shape[2]:
+            grow = (0, 0, 0, m + self.extra)
+            self.kb, self.vb = F.pad(self.kb, grow), F.pad(self.vb, grow)
+        self.kb[:, :, self.n : self.n + m] = key_states
+        self.vb[:, :, self.n : self.n + m] = value_states
+        self.n += m
+        self._views()
+        return self.keys, self.values
+
+    def select(self, idx, trim):
+        """Keep rows ``idx``; drop ``trim`` columns on the left."""
+        self.kb, self.vb = self.kb.index_select(0, idx), self.vb.index_select(0, idx)
+        self.start += trim
+        self._views()
+
+
+def _new_cache(kv, extra):
+    cache = DynamicCache()
+    cache.layers = [_BufferLayer(k, v, extra) for k, v in kv]
+    return cache
+
+
 class Engine:
     def __init__(self, model, tokenizer, token_budget: int = 65536):
         self.model = model
@@ -175,23 +223,22 @@ class Engine:
         cur: list[int] = []
         cur_max = cur_nb = 0
         for i in order:
-            L, nb = bounds[i][-1], len(bounds[i])
-            if cur and ((len(cur) + 1) * max(cur_max, L) > budget or (len(cur) + 1) * (cur_nb + nb) * vocab > logit_budget):
+            n_i, nb = bounds[i][-1], len(bounds[i])
+            if cur and ((len(cur) + 1) * max(cur_max, n_i) > budget or (len(cur) + 1) * (cur_nb + nb) * vocab > logit_budget):
                 groups_idx.append(cur)
                 cur, cur_max, cur_nb = [], 0, 0
             cur.append(i)
-            cur_max, cur_nb = max(cur_max, L), cur_nb + nb
+            cur_max, cur_nb = max(cur_max, n_i), cur_nb + nb
         if cur:
             groups_idx.append(cur)
 
         # ---- units per group, sorted by prefix length; copies split so one unit fits the budget
-        max_copies = max(1, budget // (max(b[-1] for b in bounds if b) + max_new)) if groups_idx else 1
         queue = []  # (group number, row in group, seq i, boundary j, b, first copy, copies)
         for g, members in enumerate(groups_idx):
             units = []
             for r, i in enumerate(members):
                 for j, b in enumerate(bounds[i]):
-                    per = max(1, min(max_copies, budget // (b + max_new)))
+                    per = max(1, budget // (b + max_new))
                     for c0 in range(0, k, per):
                         units.append((g, r, i, j, b, c0, min(per, k - c0)))
             units.sort(key=lambda u: u[4])
@@ -408,12 +455,15 @@ class Engine:
         new_pos = b_all.clone()
         meta.extend(new_meta)
         if N == 0:
-            cache = DynamicCache(ddp_cache_data=new_kv)
+            cache = _new_cache(new_kv, max_new + 1)
             return (cache, M, B, new_mask, new_pos, tok, new_tok_buf, new_lp_buf, new_gen, tok, lp, 0)
         Lm = max(L, B)
-        for layer, (nk, nv) in zip(cache.layers, new_kv):
-            layer.keys = torch.cat([_lpad(layer.keys, Lm - L), _lpad(nk, Lm - B)])
-            layer.values = torch.cat([_lpad(layer.values, Lm - L), _lpad(nv, Lm - B)])
+        cache = _new_cache(
+            [(torch.cat([_lpad(layer.keys, Lm - L), _lpad(nk, Lm - B)]),
+              torch.cat([_lpad(layer.values, Lm - L), _lpad(nv, Lm - B)]))
+             for layer, (nk, nv) in zip(cache.layers, new_kv)],
+            max_new + 1,
+        )
         mask = torch.cat([F.pad(mask, (Lm - L, 0)), F.pad(new_mask, (Lm - B, 0))])
         return (
             cache, N + M, Lm, mask, torch.cat([pos, new_pos]), torch.cat([pending, tok]),
@@ -436,10 +486,7 @@ class Engine:
         mask = mask.index_select(0, idx)
         trim = int((mask.shape[1] - mask.sum(1)).min())
         for layer in cache.layers:
-            k, v = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
-            if trim:
-                k, v = k[:, :, trim:], v[:, :, trim:]
-            layer.keys, layer.values = k, v
+            layer.select(idx, trim)
         if trim:
             mask = mask[:, trim:]
         return (cache, N, mask.shape[1], mask, pos.index_select(0, idx), pending.index_select(0, idx),
