@@ -9,8 +9,9 @@ Reports
 - native: the engine's throughput (generated tokens/s) on the whole continuation workload;
 - naive: Hugging Face ``model.generate(do_sample=True, num_return_sequences=K)`` over left-padded batches
   of prefixes, every prefix re-encoded (a fraction of the prefixes, for time; tokens up to EOS count);
-- limit: bare batched decode steps of the same model at the engine's batch size with a cache of realistic
-  length (``model(input_ids=next_token, cache=cache)`` in a loop, no sampling, no masks);
+- limit: bare batched decode steps of the same model at the engine's mean batch size with a cache of
+  realistic length (``model(input_ids=next_token, cache=cache)`` in a loop, no sampling, no masks), with the
+  engine's in-place KV buffer (HF's plain DynamicCache, which concatenates every step, is reported too);
 - speedup = native / naive, fraction_of_limit = native / limit.
 
 Without ``--model``: a randomly initialised Llama (hidden 256, 4 layers, vocabulary 64), random 60-100
@@ -176,8 +177,11 @@ def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_id
     return n_tok / dt, dict(seconds=dt, tokens=n_tok, prefixes=len(prefixes))
 
 
-def run_limit(model, rows, ctx_len, steps=30):
+def run_limit(model, rows, ctx_len, steps=30, buffered=True):
+    """Bare decode steps; buffered=True uses the engine's in-place KV buffer, False HF's concatenating cache."""
     from transformers import DynamicCache
+
+    from vineppo.engine import _new_cache
 
     sig = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
     V = model.get_output_embeddings().weight.shape[0]
@@ -185,6 +189,8 @@ def run_limit(model, rows, ctx_len, steps=30):
     with torch.inference_mode():
         cache = DynamicCache()
         model(input_ids=torch.randint(2, V, (rows, ctx_len), device=dev), use_cache=True, **{sig: cache})
+        if buffered:
+            cache = _new_cache([(layer.keys, layer.values) for layer in cache.layers], steps + 8)
         nxt = torch.randint(2, V, (rows, 1), device=dev)
         for _ in range(3):  # warm up
             nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
@@ -220,12 +226,14 @@ def main(argv=None):
     mean_cont = ninfo["tokens"] / max(1, ninfo["continuations"])
     ctx = int(mean_prefix + mean_cont / 2)
     limit = run_limit(model, rows, ctx)
+    limit_hf = run_limit(model, rows, ctx, buffered=False)
     res = {
         "native_tokens_per_s": native,
         "naive_tokens_per_s": naive,
         "speedup": native / naive,
         "limit_tokens_per_s": limit,
         "fraction_of_limit": native / limit,
+        "limit_hf_dynamic_cache_tokens_per_s": limit_hf,
         "model": args.model or "random-llama-h256-l4",
         "threads": threads,
         "boundaries": n_bounds,
@@ -251,7 +259,8 @@ def main(argv=None):
     print(f"native engine : {native:9.0f} tokens/s  ({ninfo['seconds']:.1f} s, {ninfo['decode_steps']} decode steps, "
           f"mean batch {ninfo['mean_rows']:.0f} rows)")
     print(f"naive HF      : {naive:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, {vinfo['seconds']:.1f} s)")
-    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens)")
+    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens, in-place KV buffer)")
+    print(f"  (same loop with HF's concatenating DynamicCache: {limit_hf:.0f} tokens/s)")
     print(f"speedup {res['speedup']:.2f}x, fraction of limit {res['fraction_of_limit']:.2f}")
 
 
