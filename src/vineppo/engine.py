@@ -21,7 +21,9 @@ sequence, and a number of copies to sample from it).
 2. Decode. Units (sorted by prefix length, so rows of one batch need little padding) are admitted into a
    running decode batch: the prefix's cached keys/values are sliced out of the group cache at the
    boundary, left-padded to the batch length, and repeated for the copies. The prefix is never
-   re-encoded. Each step feeds one token per row through the model with a ``DynamicCache``; finished
+   re-encoded. Each step feeds one token per row through the model with a ``DynamicCache`` whose layers
+   write new keys/values in place into a preallocated buffer (``_BufferLayer``; the stock layer
+   concatenates, copying the whole cache every step, which dominates small-model decode); finished
    rows (EOS, stop string, length) are dropped from the cache at once, and all-padding columns on the
    left are trimmed. When the batch has shrunk, more units are admitted (continuous batching), always
    keeping ``rows x (length + max_new_tokens) <= token_budget``, so memory is bounded and a large Monte
