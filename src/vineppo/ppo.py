@@ -179,7 +179,7 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
                 logp, entropy = token_logprobs(policy, b, cfg.temperature)
                 loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
                 loss.backward()
-                totals["loss"] += float(loss) * n_tok
+                totals["loss"] += float(loss.detach()) * n_tok
                 totals["kl"] += stats["kl"]
                 totals["clipped"] += stats["clipped"]
                 totals["entropy"] += float((entropy.detach() * b.mask).sum())
@@ -189,9 +189,13 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
                     ov = _pad_values([old_values[i] for i in idx], b.mask, device)
                     vl = value_loss(v, ov, b.returns, b.mask, cfg.value_clip, n_tok)
                     vl.backward()
-                    totals["value_loss"] += float(vl) * n_tok
+                    totals["value_loss"] += float(vl.detach()) * n_tok
             dist.sum_gradients(policy)  # each rank's loss is already divided by the global token count
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+            norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+            if not math.isfinite(norm):  # a NaN/inf loss shows here, identically on every rank
+                raise FloatingPointError(f"the loss or its gradient is not finite (grad norm {norm}); "
+                                         "the optimiser step was skipped")
+            totals["grad_norm"] += norm
             optimizer.step()
             if critic is not None:
                 dist.sum_gradients(critic)

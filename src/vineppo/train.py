@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         mine = test_set[dist.rank()::dist.world()]
         result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
                           top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                          engine=engine)
+                          token_budget=cfg.token_budget)
         total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
         return total / max(n, 1)
 
@@ -138,14 +138,15 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         # 4. PPO update (the same code for every algorithm).
         bar.update(job, status="updating")
         policy.train()
-        stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
-                           [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
-                           order_gen, critic, critic_opt, credit.returns, credit.values)
+        try:
+            stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
+                               [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
+                               order_gen, critic, critic_opt, credit.returns, credit.values)
+        except FloatingPointError as e:
+            raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
+                            f"checkpoint: {_latest(out) or 'none yet'}") from None
         policy.eval()
         stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
-        if not all(math.isfinite(v) for v in stats.values()):
-            raise UserError(f"iteration {it + 1}: the loss became NaN/inf ({_fmt(stats)}); lower --lr. The "
-                            f"weights were not saved; last good checkpoint: {_latest(out) or 'none yet'}")
         tok = max(stats["tokens"], 1.0)
         metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
                         "entropy": stats["entropy"] / tok, "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
@@ -199,10 +200,6 @@ def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
     keys = sorted(stats)
     summed = dist.all_sum([stats[k] for k in keys])
     return {k: v if k.startswith("mc/") else v / dist.world() for k, v in zip(keys, summed)}
-
-
-def _fmt(stats: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" for k, v in stats.items())
 
 
 def _sft_model(cfg: TrainConfig) -> Path | str:
