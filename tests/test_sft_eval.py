@@ -20,6 +20,15 @@ EMPTY = register(Task(name="arith-empty", grade=ARITH.grade, split_steps=ARITH.s
                       load=lambda split, path=None, seed=0: []))
 SIZE = dict(hidden=32, layers=2)
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not spin against other processes); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 
 def sft(out, arch="llama", steps=6, seed=0, **kw):
     return run_sft("arith-mini", out=out, arch=arch, max_steps=steps, batch_size=16, seed=seed, device="cpu",
