@@ -59,6 +59,9 @@ def sum_gradients(model: torch.nn.Module) -> None:
     """Sum every parameter's gradient over all ranks, in one flat all-reduce."""
     if not active():
         return
+    for p in model.parameters():  # a rank with no episode in this minibatch still takes part
+        if p.grad is None and p.requires_grad:
+            p.grad = torch.zeros_like(p)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     tdist.all_reduce(flat)
@@ -96,3 +99,47 @@ def shutdown() -> None:
     """Leave the process group."""
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+class BalancedContinuations:
+    """An engine wrapper: Monte Carlo states of all ranks are pooled, dealt out by cost, and results sent home.
+
+    A long response has many more states (and longer continuations) than a short one, so dealing states by
+    count would leave ranks idle; the cost of a state is the tokens it will likely generate, K times the
+    rest of its response. Without torchrun this is the engine itself.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.states_run = 0  # states this rank computed (to check that every state is run exactly once)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None):
+        """Same contract as Engine.continuations, computed cooperatively by every rank."""
+        if not active():
+            self.states_run += sum(len(b) for b in boundaries)
+            return self.engine.continuations(sequences, boundaries, k, params, generator, progress)
+        pools = all_gather_objects(list(zip(sequences, boundaries)))
+        units = [(k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)
+                 for i, (seq, bs) in enumerate(pool) for j, b in enumerate(bs)]
+        load, mine = [0.0] * world(), []
+        for cost, r, i, j in sorted(units, reverse=True):  # longest job first to the least-loaded rank
+            target = min(range(world()), key=load.__getitem__)
+            load[target] += cost
+            if target == rank():
+                mine.append((r, i, j))
+        jobs: dict[tuple[int, int], list[int]] = {}
+        for r, i, j in sorted(mine):
+            jobs.setdefault((r, i), []).append(j)
+        keys = list(jobs)
+        self.states_run += len(mine)
+        out = self.engine.continuations([pools[r][i][0] for r, i in keys],
+                                        [[pools[r][i][1][j] for j in jobs[(r, i)]] for r, i in keys],
+                                        k, params, generator, progress)
+        done = {(r, i, j): samples for (r, i), per in zip(keys, out) for j, samples in zip(jobs[(r, i)], per)}
+        results: dict = {}
+        for part in all_gather_objects(done):
+            results.update({key: v for key, v in part.items() if key[0] == rank()})
+        return [[results[(rank(), i, j)] for j in range(len(bs))] for i, bs in enumerate(boundaries)]

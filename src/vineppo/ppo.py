@@ -142,11 +142,13 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
                responses: list[list[int]], advantages: list[torch.Tensor], cfg: UpdateConfig, pad_id: int,
                generator: torch.Generator, critic: Critic | None = None,
                critic_optimizer: torch.optim.Optimizer | None = None, returns: list[torch.Tensor] | None = None,
-               old_values: list[torch.Tensor] | None = None) -> dict[str, float]:
+               old_values: list[torch.Tensor] | None = None, ids: list[int] | None = None) -> dict[str, float]:
     """`cfg.epochs` passes of clipped-PPO minibatch steps over this rank's episodes; returns summed statistics.
 
-    Every rank holds an equal share of each global minibatch; the loss is divided by the minibatch's token
-    count over all ranks and gradients are summed across ranks, so N processes take the same step as one.
+    `ids` are the episodes' global indices 0..N-1 over all ranks (default: this rank holds them all). Each
+    minibatch is a slice of one permutation of the global ids, every rank working on its own members; the
+    loss is divided by the minibatch's token count over all ranks and gradients are summed across ranks, so
+    N processes take the same step as one.
     """
     device = next(policy.parameters()).device
     n = len(prompts)
@@ -159,13 +161,16 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
             ref, _ = token_logprobs(reference, b, cfg.temperature)
             for j, i in enumerate(idx):
                 old_logp[i], ref_logp[i] = old[j], ref[j]
-    per_rank = max(1, cfg.minibatch // dist.world())
+    # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
+    ids = list(range(n)) if ids is None else ids
+    local = {g: i for i, g in enumerate(ids)}
+    n_global = int(dist.all_sum([float(n)])[0])
     totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0, "value_loss": 0.0,
               "grad_norm": 0.0, "steps": 0.0}
     for _ in range(cfg.epochs):
-        order = torch.randperm(n, generator=generator).tolist()
-        for start in range(0, n, per_rank):
-            mb = order[start:start + per_rank]
+        order = torch.randperm(n_global, generator=generator).tolist()
+        for start in range(0, n_global, cfg.minibatch):
+            mb = [local[g] for g in order[start:start + cfg.minibatch] if g in local]
             n_tok = dist.all_sum([float(sum(len(responses[i]) for i in mb))])[0]
             optimizer.zero_grad(set_to_none=True)
             if critic_optimizer is not None:

@@ -124,7 +124,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
 
         # 3. Credit assignment: per-token advantages from the configured estimator.
         bar.update(job, status="credit assignment")
-        ctx = CreditContext(engine=engine, tokenizer=tokenizer, grade=task.grade, critic=critic, params=params,
+        mc_engine = dist.BalancedContinuations(engine)
+        ctx = CreditContext(engine=mc_engine, tokenizer=tokenizer, grade=task.grade, critic=critic, params=params,
                             generator=gen, mc_k=cfg.mc_k, mc_max_states=cfg.mc_max_states, gamma=cfg.gamma,
                             lam=cfg.gae_lambda)
         credit = estimator(episodes, ctx)
@@ -132,6 +133,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat.double() ** 2).sum())])
         metrics.update({"advantage/mean": s / n, "advantage/std": math.sqrt(max(ss / n - (s / n) ** 2, 0.0))})
         metrics.update(_reduce_stats(credit.stats))
+        if mc_engine.states_run:
+            metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
         advantages = whiten(credit.advantages) if cfg.whiten_advantages else credit.advantages
         t2 = time.perf_counter()
 
@@ -141,7 +144,9 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         try:
             stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
                                [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
-                               order_gen, critic, critic_opt, credit.returns, credit.values)
+                               order_gen, critic, critic_opt, credit.returns, credit.values,
+                               ids=[ep.group * cfg.samples_per_prompt + j % cfg.samples_per_prompt
+                                    for j, ep in enumerate(episodes)])
         except FloatingPointError as e:
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                             f"checkpoint: {_latest(out) or 'none yet'}") from None
