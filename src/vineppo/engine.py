@@ -98,8 +98,8 @@ class _BufferLayer(DynamicLayer):
         super().__init__()
         N, H, L, D = keys.shape
         self.extra = extra
-        self.kb = keys.new_zeros(N, H, L + extra, D)
-        self.vb = values.new_zeros(N, H, L + extra, D)
+        self.kb = keys.new_empty(N, H, L + extra, D)  # columns past n are never read
+        self.vb = values.new_empty(N, H, L + extra, D)
         self.kb[:, :, :L] = keys
         self.vb[:, :, :L] = values
         self.start, self.n = 0, L
@@ -276,11 +276,12 @@ class Engine:
             )
             done += 1
 
-        def check(tok, lp, rows_tok_buf, rows_lp_buf, rows_gen_len):
-            """Flags for freshly sampled tokens; returns the list of finished row indices."""
+        def check(tok, rows_tok_buf, rows_lp_buf, rows_gen_len, rows_alive):
+            """Flags for freshly sampled tokens; returns the list of (live) rows that just finished."""
             flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (rows_gen_len >= max_new).to(torch.int8) * _LEN
             if cand is not None:
                 flag = flag + cand[tok] * _CAND
+            flag = flag * rows_alive
             flagged = torch.nonzero(flag).view(-1)
             if flagged.numel() == 0:
                 return []
@@ -306,12 +307,35 @@ class Engine:
                     finished.append(r)
             return finished
 
+        alive = None  # int8 [N]: 0 for finished rows still held in the batch
+        dead: list[int] = []
+
+        def compact():
+            nonlocal cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len, alive, dead
+            keep = self._keep(dead, N)
+            idx = torch.tensor(keep, device=dev)
+            cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len = self._select(
+                keep, cache, mask, pos, pending, tok_buf, lp_buf, gen_len, meta)
+            alive = alive.index_select(0, idx) if N else None
+            dead = []
+
+        def retire(rows):
+            # finished rows stay (masked out of the flags) until a quarter of the batch is finished, then the
+            # batch is compacted: copying the cache at every finish would cost more than the wasted rows
+            dead.extend(rows)
+            r = torch.tensor(rows, device=dev)
+            alive[r] = 0
+            gen_len[r] = 0
+            pos[r] = 0  # keeps a finished row's (ignored) positions inside the model's range
+            if progress is not None:
+                progress(done)
+
         while True:
             # ---- admit units into the batch while there is room
             admitted = []
             if queue:
                 cap = budget // (max(L, queue[-1][4]) + max_new)
-                if N == 0 or N <= 0.75 * cap:
+                if N == 0 or N - len(dead) <= 0.75 * cap:
                     B, rows = L, N
                     while queue:
                         u = queue[-1]
@@ -322,6 +346,8 @@ class Engine:
                         admitted.append(u)
                         B, rows = nb, rows + u[6]
             if admitted:
+                if dead:
+                    compact()
                 # prefill the groups these units come from (each group once)
                 for u in admitted:
                     if u[0] not in groups:
@@ -329,18 +355,18 @@ class Engine:
                 state = self._admit(admitted, groups, counts, cache, N, L, mask, pos, pending,
                                     tok_buf, lp_buf, gen_len, meta, params, generator, max_new)
                 cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len, new_tok, new_lp, first = state
+                ones = torch.ones(N - first, dtype=torch.int8, device=dev)
+                alive = ones if first == 0 else torch.cat([alive, ones])
                 # the new rows' first tokens may already finish them
                 sl = slice(first, N)
-                fin = check(new_tok, new_lp, tok_buf[sl], lp_buf[sl], gen_len[sl])
+                fin = check(new_tok, tok_buf[sl], lp_buf[sl], gen_len[sl], alive[sl])
                 if fin:
-                    keep = self._keep([first + r for r in fin], N)
-                    cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len = self._select(
-                        keep, cache, mask, pos, pending, tok_buf, lp_buf, gen_len, meta)
-                    if progress is not None:
-                        progress(done)
-                if N == 0:
-                    continue
+                    retire([first + r for r in fin])
+            if N and len(dead) >= max(1, N // 4):
+                compact()
             if N == 0:
+                if queue:
+                    continue
                 break
 
             # ---- one decode step
@@ -354,19 +380,15 @@ class Engine:
             ).logits[:, -1, :]
             L += 1
             tok, lp = self._sample(logits, params, generator)
-            idx = gen_len.view(N, 1)
+            idx = gen_len.clamp_max(max_new - 1).view(N, 1)
             tok_buf.scatter_(1, idx, tok.view(N, 1))
             lp_buf.scatter_(1, idx, lp.view(N, 1))
             gen_len += 1
             pos += 1
             pending = tok
-            fin = check(tok, lp, tok_buf, lp_buf, gen_len)
+            fin = check(tok, tok_buf, lp_buf, gen_len, alive)
             if fin:
-                keep = self._keep(fin, N)
-                cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len = self._select(
-                    keep, cache, mask, pos, pending, tok_buf, lp_buf, gen_len, meta)
-                if progress is not None:
-                    progress(done)
+                retire(fin)
 
     # ------------------------------------------------------------------ pieces
 
