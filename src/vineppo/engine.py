@@ -123,8 +123,14 @@ class _BufferLayer(DynamicLayer):
 
     def select(self, idx, trim):
         """Keep rows ``idx``; drop ``trim`` columns on the left."""
-        self.kb, self.vb = self.kb.index_select(0, idx), self.vb.index_select(0, idx)
-        self.start += trim
+        lo = self.start + trim
+        used = self.n - lo
+        N, H, _, D = self.kb.shape
+        kb = self.kb.new_empty(idx.numel(), H, used + self.extra, D)
+        vb = self.vb.new_empty(idx.numel(), H, used + self.extra, D)
+        kb[:, :, :used] = self.kb[:, :, lo : self.n].index_select(0, idx)
+        vb[:, :, :used] = self.vb[:, :, lo : self.n].index_select(0, idx)
+        self.kb, self.vb, self.start, self.n = kb, vb, 0, used
         self._views()
 
 
@@ -479,14 +485,14 @@ class Engine:
         new_pos = b_all.clone()
         meta.extend(new_meta)
         if N == 0:
-            cache = _new_cache(new_kv, max_new + 1)
+            cache = _new_cache(new_kv, min(max_new + 1, 64))
             return (cache, M, B, new_mask, new_pos, tok, new_tok_buf, new_lp_buf, new_gen, tok, lp, 0)
         Lm = max(L, B)
         cache = _new_cache(
             [(torch.cat([_lpad(layer.keys, Lm - L), _lpad(nk, Lm - B)]),
               torch.cat([_lpad(layer.values, Lm - L), _lpad(nv, Lm - B)]))
              for layer, (nk, nv) in zip(cache.layers, new_kv)],
-            max_new + 1,
+            min(max_new + 1, 64),
         )
         mask = torch.cat([F.pad(mask, (Lm - L, 0)), F.pad(new_mask, (Lm - B, 0))])
         return (
