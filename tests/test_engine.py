@@ -329,3 +329,29 @@ def test_training_mode_restored_and_bad_input(llama, tok):
         Engine(llama, tok).continuations([[5, 6, 7]], [[2, 2]], 1, GREEDY)
     with pytest.raises(ValueError):
         Engine(llama, tok).continuations([[5, 6, 7]], [[4]], 1, GREEDY)
+
+
+def test_rows_finishing_at_admission_keep_their_identity(peaked, tok):
+    """Small budget + frequent EOS: rows admitted into a running batch may finish on their first token."""
+    prompts = _prompts([4, 25, 6, 30, 9, 12, 3, 20], seed=21)
+    with torch.no_grad():
+        firsts = [int(peaked(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    m2 = copy.deepcopy(peaked)
+    m2.generation_config.eos_token_id = sorted(set(firsts[1::2]))
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8)
+    eng = Engine(m2, tok, token_budget=120)
+    eos = set(eng.eos_token_ids)
+    out = eng.generate(prompts, 3, params, generator=torch.Generator().manual_seed(0))
+    n_first = 0
+    for p, samples in zip(prompts, out):
+        for s in samples:
+            assert s is not None and 1 <= len(s.token_ids) <= 8
+            ended = s.token_ids[-1] in eos
+            assert s.finish_reason == ("stop" if ended else "length")
+            assert not any(t in eos for t in s.token_ids[:-1])
+            n_first += len(s.token_ids) == 1
+            with torch.no_grad():
+                lg = m2(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1 : -1].float()
+            ref = torch.log_softmax(lg, -1).gather(1, torch.tensor(s.token_ids).view(-1, 1)).view(-1)
+            assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4)
+    assert n_first > 0

@@ -282,8 +282,8 @@ class Engine:
             )
             done += 1
 
-        def check(tok, rows_tok_buf, rows_lp_buf, rows_gen_len, rows_alive):
-            """Flags for freshly sampled tokens; returns the list of (live) rows that just finished."""
+        def check(tok, rows_tok_buf, rows_lp_buf, rows_gen_len, rows_alive, base=0):
+            """Flags for freshly sampled tokens of rows base.. ; returns the (batch) indices of live rows that finished."""
             flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (rows_gen_len >= max_new).to(torch.int8) * _LEN
             if cand is not None:
                 flag = flag + cand[tok] * _CAND
@@ -309,8 +309,8 @@ class Engine:
                         reason = "length"
                 if reason is not None:
                     g = int(rows_gen_len[r])
-                    finish(r, g, reason, rows_tok_buf[r, :g].tolist(), rows_lp_buf[r, :g].tolist())
-                    finished.append(r)
+                    finish(base + r, g, reason, rows_tok_buf[r, :g].tolist(), rows_lp_buf[r, :g].tolist())
+                    finished.append(base + r)
             return finished
 
         alive = None  # int8 [N]: 0 for finished rows still held in the batch
@@ -365,9 +365,9 @@ class Engine:
                 alive = ones if first == 0 else torch.cat([alive, ones])
                 # the new rows' first tokens may already finish them
                 sl = slice(first, N)
-                fin = check(new_tok, tok_buf[sl], lp_buf[sl], gen_len[sl], alive[sl])
+                fin = check(new_tok, tok_buf[sl], lp_buf[sl], gen_len[sl], alive[sl], base=first)
                 if fin:
-                    retire([first + r for r in fin])
+                    retire(fin)
             if N and len(dead) >= max(1, N // 4):
                 compact()
             if N == 0:
