@@ -23,7 +23,7 @@ from vineppo.models import context_length, encode_prompt, encode_target, load_mo
 from vineppo.tasks import get_task
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
-TINY_DEFAULTS = dict(lr=2e-3, epochs=1.0, batch_size=32, warmup=0.03)
+TINY_DEFAULTS = dict(lr=2e-3, epochs=0.55, batch_size=16, warmup=0.03)  # ~690 steps on arith's 20k problems
 PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
 
 
@@ -218,9 +218,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="hub id, local folder, or 'tiny' to build the small CPU model")
     p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (tiny: 1, pretrained: 3)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (tiny: 0.55, pretrained: 3)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3, pretrained: 1e-5)")
-    p.add_argument("--batch-size", type=int, default=None, help="examples per step (tiny: 32, pretrained: 64)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step (tiny: 16, pretrained: 64)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps (default 0.03)")
     p.add_argument("--seed", type=int, default=0)
