@@ -314,6 +314,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print compare.json")
 
 
+def _ensure_start_model(preset: str, train_args: str) -> None:
+    """Train the shared default SFT model once, before parallel runs would each start training it."""
+    from vineppo import config as configs
+
+    cfg = configs.resolve(configs.load_preset(preset), {})
+    if cfg.model == "auto" and "--model" not in train_args:
+        from vineppo.sft import ensure_sft_model
+
+        ensure_sft_model(cfg.task)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `vineppo compare`."""
     out = Path(args.out)
@@ -325,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
         if args.jobs < 1 or (args.iterations is not None and args.iterations < 1):
             raise UserError("--jobs and --iterations must be >= 1")
         plan(algos, args.seeds, args.config)
+        _ensure_start_model(args.config, args.train_args)
         failed = run_all(out, algos, args.seeds, args.iterations, args.config, args.jobs, shlex.split(args.train_args))
     summary = report(out)
     if args.json:
