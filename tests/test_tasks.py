@@ -145,3 +145,16 @@ def test_inspect_data_rich_output_and_user_error(capsys, tmp_path):
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:1: malformed JSON" in err and "Traceback" not in err
+
+
+def test_arith_knobs_through_data_flag():
+    from vineppo.errors import UserError
+    from vineppo.tasks.arith import load_arith
+
+    hard = load_arith("test", "min_ops=5,max_ops=6,digits=3", size=50)
+    assert all(5 <= len(ex.solution.splitlines()) - 1 <= 6 for ex in hard)
+    assert max(int(n) for ex in hard for n in ex.problem.replace(".", " ").split() if n.isdigit()) >= 100
+    easy = load_arith("test", size=50)
+    assert all(2 <= len(ex.solution.splitlines()) - 1 <= 4 for ex in easy)
+    with pytest.raises(UserError, match="knobs"):
+        load_arith("test", "digits=big")

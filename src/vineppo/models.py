@@ -17,7 +17,7 @@ import torch
 from vineppo.errors import UserError
 
 EOS = "<|endoftext|>"
-TINY_SIZE = dict(hidden=256, layers=4, heads=4)  # default tiny model; mlp width = 3x (llama/qwen2) or 4x (gpt2)
+TINY_SIZE = dict(hidden=128, layers=4, heads=4)  # default tiny model (0.9M params); mlp = 3x (llama/qwen2), 4x (gpt2)
 TINY_CONTEXT = 1024
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
