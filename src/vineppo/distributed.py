@@ -11,15 +11,21 @@ import torch
 import torch.distributed as tdist
 
 
-def init() -> torch.device:
+def init(device: str = "auto") -> torch.device:
     """Join the process group when launched by torchrun (gloo on CPU, NCCL on GPU); return this rank's device."""
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if use_cuda and not torch.cuda.is_available():
+        from vineppo.errors import UserError
+
+        raise UserError(f"--device {device}: CUDA is not available here; use --device cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if "RANK" in os.environ and not tdist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        tdist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(local)
+        tdist.init_process_group("nccl" if use_cuda else "gloo")
+    if not use_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", local if "RANK" in os.environ else torch.device(device).index or 0)
 
 
 def active() -> bool:

@@ -23,7 +23,7 @@ from vineppo.models import context_length, encode_prompt, encode_target, load_mo
 from vineppo.tasks import get_task
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
-TINY_DEFAULTS = dict(lr=3e-3, epochs=2.9, batch_size=32, warmup=0.03)  # ~1800 steps on arith's 20k problems
+TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
 PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
 
 

@@ -34,7 +34,7 @@ DEFAULT_PRESET = "arith-tiny"
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     """Run (or resume) RL training as configured; returns the run summary."""
-    device = dist.init() if cfg.device == "auto" else torch.device(cfg.device)
+    device = dist.init(cfg.device)
     main = dist.is_main()
     task = get_task(cfg.task)
     out = Path(resume) if resume else _run_dir(cfg)
