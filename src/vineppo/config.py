@@ -36,6 +36,7 @@ class TrainConfig:
     model: str = "auto"  # SFT model: folder or hub id; "auto" trains/caches the task's default tiny SFT model
     out: str | None = None  # run folder (None: a fresh folder under runs/)
     seed: int = 0  # one seed for sampling, prompt order and minibatch order
+    data_seed: int = 0  # seed of generated data sets (arith) and splits: fixed, so every seed sees one test set
     device: str = "auto"  # auto | cpu | cuda
     iterations: int = 1000  # RL iterations (sample -> credit -> update)
     prompts_per_iter: int = 64  # prompts per iteration, drawn with replacement

@@ -56,8 +56,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
                               cfg.grad_clip, cfg.value_clip)
 
-    train_set = task.load("train", cfg.data, cfg.seed)
-    test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.seed)[: cfg.eval_problems] if cfg.eval_problems else []
+    train_set = task.load("train", cfg.data, cfg.data_seed)
+    test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems] if cfg.eval_problems else []
     if not train_set:
         raise UserError(f"task {cfg.task}: the training set is empty")
 
