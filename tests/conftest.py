@@ -8,6 +8,15 @@ import torch
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not spin against other processes); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_sft(tmp_path_factory) -> Path:
     """A 2-layer Llama fine-tuned briefly on arith: it writes the format and ends with EOS, mostly wrong."""

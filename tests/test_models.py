@@ -13,13 +13,7 @@ MINI = register(Task(name="arith-mini-models", grade=ARITH.grade, split_steps=AR
                      load=lambda split, path=None, seed=0: load_arith(split, path, seed, size=200 if split == "train" else 4)))
 SIZE = dict(hidden=32, layers=2, heads=2)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not spin against other processes); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

@@ -20,13 +20,7 @@ EMPTY = register(Task(name="arith-empty", grade=ARITH.grade, split_steps=ARITH.s
                       load=lambda split, path=None, seed=0: []))
 SIZE = dict(hidden=32, layers=2)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not spin against other processes); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
