@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -140,6 +141,9 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
     items = tokenize_examples(tokenizer, task, examples, context_length(net))
     if not items:
         raise UserError(f"task {task_name!r}: every training example is longer than the model's context")
+    if len(items) < len(examples):  # never a silent skip: say how many did not fit
+        print(f"sft: {len(examples) - len(items)} of {len(examples)} examples are longer than the model's context "
+              f"({context_length(net)} tokens) and are left out", file=sys.stderr)
     rng = random.Random(seed)
     lengths = [len(ids) for ids, _ in items]
     per_epoch = math.ceil(len(items) / hp["batch_size"])
