@@ -39,6 +39,7 @@ import torch
 
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
+from vineppo.grading import outcome_reward
 from vineppo.steps import step_token_ranges, token_char_offsets
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
@@ -111,7 +112,7 @@ class Node:
 
 def _reward(grade: Callable[[str, str], float], text: str, sample, answer: str) -> float:
     """The training reward of a completed text: graded when it stopped, 0 when cut off by the length limit."""
-    return grade(text, answer) if sample.finish_reason == "stop" else 0.0
+    return outcome_reward(grade, text, answer, sample.finish_reason)
 
 
 def sample_states(engine, tokenizer, task, examples: list, n_states: int, params: SamplingParams,

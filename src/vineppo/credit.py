@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from vineppo.engine import SamplingParams
+from vineppo.grading import outcome_reward
 
 
 @dataclass
@@ -155,7 +156,7 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
             # A step boundary falls between characters, so decoding the prefix once and appending each
             # continuation's text gives the full text.
             prefix = ctx.tokenizer.decode(ep.response_ids[:start], skip_special_tokens=True)
-            wins = [ctx.grade(prefix + s.text, ep.answer) if s.finish_reason == "stop" else 0.0 for s in samples]
+            wins = [outcome_reward(ctx.grade, prefix + s.text, ep.answer, s.finish_reason) for s in samples]
             state_values[i].append(sum(wins) / len(wins))
             n_cont += len(samples)
             n_tokens += sum(len(s.token_ids) for s in samples)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vineppo.errors import UserError
+from vineppo.grading import outcome_reward
 from vineppo.models import context_length, encode_prompt, load_model
 from vineppo.tasks import Example, Task, get_task
 
@@ -68,7 +69,7 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
 
 def _correct(task: Task, sample, answer: str) -> float:
     """Reward of one sample: the task's grade; a response cut off by the token limit counts as wrong."""
-    return 0.0 if sample.finish_reason == "length" else task.grade(sample.text, answer)
+    return outcome_reward(task.grade, sample.text, answer, sample.finish_reason)
 
 
 def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,

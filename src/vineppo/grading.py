@@ -19,6 +19,7 @@ import sys
 import threading
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Callable
 
 MATH_TIMEOUT = 5.0  # seconds per grade_math call, hard
 MAX_ANSWER_CHARS = 2000  # longer boxed answers are compared as strings only: no real answer is that long
@@ -44,6 +45,11 @@ def parse_number(text: str) -> Decimal | None:
         return Decimal(m.group(1).replace(",", "").replace("$", "").replace(" ", ""))
     except InvalidOperation:
         return None
+
+
+def outcome_reward(grade: Callable[[str, str], float], text: str, answer: str, finish_reason: str) -> float:
+    """The method's reward: the grade of a response that stopped; 0 for one cut off by the token limit."""
+    return grade(text, answer) if finish_reason == "stop" else 0.0
 
 
 def grade_gsm8k(completion: str, answer: str) -> float:

@@ -115,12 +115,17 @@ def _to(batch: Batch, device: torch.device) -> Batch:
                                           batch.returns)))
 
 
-def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Shift and scale all tokens' advantages (over every rank) to mean 0, std 1."""
-    flat = torch.cat(advantages).double()
+def mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
+    """Mean and (population) standard deviation of all elements, over every rank."""
+    flat = torch.cat(values).double()
     n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat**2).sum())])
     mean = s / max(n, 1)
-    std = math.sqrt(max(ss / max(n, 1) - mean**2, 0.0))
+    return mean, math.sqrt(max(ss / max(n, 1) - mean**2, 0.0))
+
+
+def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Shift and scale all tokens' advantages (over every rank) to mean 0, std 1."""
+    mean, std = mean_std(advantages)
     return [((a - mean) / (std + 1e-8)).float() for a in advantages]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -24,7 +23,8 @@ from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator
 from vineppo.engine import Engine, SamplingParams
 from vineppo.errors import UserError
-from vineppo.ppo import Critic, UpdateConfig, ppo_update, whiten
+from vineppo.grading import outcome_reward
+from vineppo.ppo import Critic, UpdateConfig, mean_std, ppo_update, whiten
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
@@ -129,9 +129,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
                             generator=gen, mc_k=cfg.mc_k, mc_max_states=cfg.mc_max_states, gamma=cfg.gamma,
                             lam=cfg.gae_lambda)
         credit = estimator(episodes, ctx)
-        flat = torch.cat(credit.advantages)
-        n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat.double() ** 2).sum())])
-        metrics.update({"advantage/mean": s / n, "advantage/std": math.sqrt(max(ss / n - (s / n) ** 2, 0.0))})
+        adv_mean, adv_std = mean_std(credit.advantages)
+        metrics.update({"advantage/mean": adv_mean, "advantage/std": adv_std})
         metrics.update(_reduce_stats(credit.stats))
         if mc_engine.states_run:
             metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
@@ -193,11 +192,11 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
 
 def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, ex: Example) -> Episode:
     """Grade one sampled response and map its reasoning steps to token ranges."""
-    truncated = sample.finish_reason != "stop"
-    reward = 0.0 if truncated else task.grade(sample.text, ex.answer)
+    reward = outcome_reward(task.grade, sample.text, ex.answer, sample.finish_reason)
     offsets = token_char_offsets(tokenizer, sample.token_ids)
     steps = step_token_ranges(task.split_steps(sample.text), offsets)
-    return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex.answer, steps, truncated)
+    return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex.answer, steps,
+                   sample.finish_reason != "stop")
 
 
 def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
