@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from vineppo.engine import Engine, Sample, SamplingParams
+from vineppo.engine import TOP_K, Engine, Sample, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -193,17 +193,24 @@ def _chi2_gof(counts, probs):
     return stats.chisquare(obs, exp).pvalue
 
 
-def test_first_token_frequencies_follow_top_p(peaked, tok):
+@pytest.mark.parametrize("scale", [40.0, 3.0])
+def test_first_token_frequencies_follow_top_p(tok, scale):
+    """scale 40: the nucleus is inside the top TOP_K tokens (top-k path); scale 3: it is not (full sort path)."""
+    m = _make("llama", len(tok), seed=1)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(scale)
     prompt = _prompts([10], seed=5)[0]
     T, top_p = 0.8, 0.7
     with torch.no_grad():
-        logits = peaked(torch.tensor([prompt])).logits[0, -1]
+        logits = m(torch.tensor([prompt])).logits[0, -1]
+    top_mass = torch.softmax(logits.double() / T, -1).topk(TOP_K).values.sum()
+    assert (top_mass >= top_p) == (scale > 10), "the test should exercise the intended sampling path"
     probs = _nucleus(logits, T, top_p)
     n_kept = int((probs > 0).sum())
     assert 2 <= n_kept < len(tok) - 5, "test model should give a nucleus that excludes tokens"
     g = torch.Generator().manual_seed(123)
-    out = Engine(peaked, tok).generate([prompt], 3000, SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1),
-                                       generator=g)[0]
+    out = Engine(m, tok).generate([prompt], 3000, SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1),
+                                  generator=g)[0]
     counts = np.bincount([s.token_ids[0] for s in out], minlength=len(tok))
     assert _chi2_gof(counts, probs) > 1e-3
     # the test can fail: the same counts reject the distribution without top-p filtering

@@ -19,15 +19,18 @@ sequence, and a number of copies to sample from it).
    and its logits at position ``b - 1`` give the first-token distribution of the continuations at
    boundary ``b``. Only those logits are materialised (``logits_to_keep`` with a tensor of positions).
 2. Decode. Units (sorted by prefix length, so rows of one batch need little padding) are admitted into a
-   running decode batch: the prefix's cached keys/values are sliced out of the group cache at the
-   boundary, left-padded to the batch length, and repeated for the copies. The prefix is never
-   re-encoded. Each step feeds one token per row through the model with a ``DynamicCache`` whose layers
-   write new keys/values in place into a preallocated buffer (``_BufferLayer``; the stock layer
-   concatenates, copying the whole cache every step, which dominates small-model decode); finished
-   rows (EOS, stop string, length) are dropped from the cache at once, and all-padding columns on the
-   left are trimmed. When the batch has shrunk, more units are admitted (continuous batching), always
-   keeping ``rows x (length + max_new_tokens) <= token_budget``, so memory is bounded and a large Monte
-   Carlo job is chunked automatically.
+   running decode batch: the prefix's cached keys/values are copied out of the group cache at the
+   boundary, right-aligned with the batch's other rows, once per copy. The prefix is never re-encoded.
+   Each step feeds one token per row through the model with a ``DynamicCache`` whose layers write new
+   keys/values in place into a preallocated buffer (``_BufferLayer``; the stock layer concatenates,
+   copying the whole cache every step, which dominates small-model decode). Finished rows (EOS, stop
+   string, length) are masked out at once and dropped at the next rebuild; a rebuild (admission, or a
+   quarter of the batch finished) copies each kept row once into a fresh buffer, trims all-padding
+   columns on the left and appends the new rows. New units are admitted when the batch has shrunk
+   (continuous batching), always keeping ``rows x (length + max_new_tokens) <= token_budget``, so memory
+   is bounded and a large Monte Carlo job is chunked automatically.
+3. Sampling. Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p`` of the mass
+   (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
 
 DETERMINISM. All randomness comes from ``generator`` (``torch.multinomial``). On CPU, the same inputs,
 parameters, budget and seed give the same samples. The batch composition depends on the inputs and on
@@ -72,6 +75,8 @@ class Sample:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
 
 
+TOP_K = 32  # top-p sampling first tries the TOP_K most likely tokens (exact when they hold top_p of the mass)
+
 # flags computed on the device each step, so only flagged rows cost Python time
 _EOS, _CAND, _LEN = 1, 2, 4
 
@@ -81,7 +86,7 @@ class _Group:
 
     def __init__(self, kv, pads, logits, col):
         self.kv = kv  # list of (keys, values)
-        self.pads = pads  # long tensor [R]
+        self.pads = pads  # left padding per row (ints)
         self.logits = logits  # [R, U, V] logits at the needed (padded) positions
         self.col = col  # (row, boundary b) -> column of logits
 
@@ -90,25 +95,19 @@ class _BufferLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in a preallocated buffer [N, H, capacity, D].
 
     ``DynamicLayer.update`` concatenates, copying the whole cache every step; here the new column is
-    written in place and ``keys``/``values`` are views ``[:, :, start:n]`` (``start`` > 0 after trimming
-    all-padding columns on the left). The buffer grows (by copying) only if it runs out of room.
+    written in place and ``keys``/``values`` are views ``[:, :, :n]``. The buffer grows (by copying) only
+    if it runs out of room.
     """
 
-    def __init__(self, keys, values, extra):
+    def __init__(self, kb, vb, n, extra):
         super().__init__()
-        N, H, L, D = keys.shape
-        self.extra = extra
-        self.kb = keys.new_empty(N, H, L + extra, D)  # columns past n are never read
-        self.vb = values.new_empty(N, H, L + extra, D)
-        self.kb[:, :, :L] = keys
-        self.vb[:, :, :L] = values
-        self.start, self.n = 0, L
-        self.device, self.is_initialized = keys.device, True
+        self.kb, self.vb, self.n, self.extra = kb, vb, n, extra  # columns past n are never read
+        self.device, self.is_initialized = kb.device, True
         self._views()
 
     def _views(self):
-        self.keys = self.kb[:, :, self.start : self.n]
-        self.values = self.vb[:, :, self.start : self.n]
+        self.keys = self.kb[:, :, : self.n]
+        self.values = self.vb[:, :, : self.n]
 
     def update(self, key_states, value_states, *args, **kwargs):
         m = key_states.shape[-2]
@@ -121,23 +120,130 @@ class _BufferLayer(DynamicLayer):
         self._views()
         return self.keys, self.values
 
-    def select(self, idx, trim):
-        """Keep rows ``idx``; drop ``trim`` columns on the left."""
-        lo = self.start + trim
-        used = self.n - lo
-        N, H, _, D = self.kb.shape
-        kb = self.kb.new_empty(idx.numel(), H, used + self.extra, D)
-        vb = self.vb.new_empty(idx.numel(), H, used + self.extra, D)
-        kb[:, :, :used] = self.kb[:, :, lo : self.n].index_select(0, idx)
-        vb[:, :, :used] = self.vb[:, :, lo : self.n].index_select(0, idx)
-        self.kb, self.vb, self.start, self.n = kb, vb, 0, used
-        self._views()
-
 
 def _new_cache(kv, extra):
+    """A DynamicCache of buffer layers holding copies of ``kv`` (a list of (keys, values) per layer)."""
     cache = DynamicCache()
-    cache.layers = [_BufferLayer(k, v, extra) for k, v in kv]
+    cache.layers = []
+    for k, v in kv:
+        N, H, L, D = k.shape
+        kb, vb = k.new_empty(N, H, L + extra, D), v.new_empty(N, H, L + extra, D)
+        kb[:, :, :L], vb[:, :, :L] = k, v
+        cache.layers.append(_BufferLayer(kb, vb, L, extra))
     return cache
+
+
+class _Batch:
+    """The running decode batch, one row per sample being generated.
+
+    Rows are right-aligned: every row writes its next token at the same column, so a row holding t tokens
+    (prefix + generated) occupies the last t of the L columns; the columns to its left hold zero keys/values
+    (finite, so masking them out is exact) and are masked out.
+    """
+
+    def __init__(self, dev, max_new, extra):
+        self.dev, self.max_new, self.extra = dev, max_new, extra
+        self.N = self.L = 0
+        self.cache = None  # DynamicCache of _BufferLayer
+        self.meta: list[tuple[int, int, int]] = []  # (seq i, boundary j, copy c) per row
+        self.dead: list[int] = []  # finished rows still held (masked out of the flags) until the next rebuild
+        self.mask = self.pos = self.pending = self.tok = self.lp = self.gen = self.alive = None
+
+    def rebuild(self, units, groups, tok0, lp0):
+        """Drop dead rows, trim all-padding columns on the left and append the rows of ``units``.
+
+        Each kept row's keys/values are copied once, straight into the new buffer, and each new row's prefix
+        is copied once out of its group's prefill cache (the prefix is never re-encoded). ``tok0``/``lp0`` are
+        the new rows' first tokens, already sampled from the prefill logits.
+        """
+        dev = self.dev
+        dead = set(self.dead)
+        keep = [r for r in range(self.N) if r not in dead]
+        Nk = len(keep)
+        old_mask = self.mask
+        if Nk and dead:
+            keep_t = torch.tensor(keep, device=dev)
+            old_mask = old_mask.index_select(0, keep_t)
+        trim = int((old_mask.shape[1] - old_mask.sum(1)).min()) if Nk else 0
+        L_old = self.L - trim if Nk else 0
+        new_b = [u[4] for u in units for _ in range(u[6])]
+        M = len(new_b)
+        L = max([L_old] + new_b)
+        N = Nk + M
+        self.meta = [self.meta[r] for r in keep] + [(u[2], u[3], u[5] + c) for u in units for c in range(u[6])]
+        self.dead = []
+        self.N, self.L = N, L
+        if N == 0:
+            self.cache = self.mask = self.pos = self.pending = self.tok = self.lp = self.gen = self.alive = None
+            return
+        # runs of consecutive kept rows: slice copies, no index_select temporaries
+        runs = []
+        for r in keep:
+            if runs and runs[-1][1] == r:
+                runs[-1][1] = r + 1
+            else:
+                runs.append([r, r + 1])
+        n_layers = len(self.cache.layers) if Nk else len(groups[units[0][0]].kv)
+        layers = []
+        for li in range(n_layers):
+            pair = []
+            for w in range(2):  # keys, values
+                if Nk:
+                    old_layer = self.cache.layers[li]
+                    old = (old_layer.kb, old_layer.vb)[w]
+                else:
+                    old = groups[units[0][0]].kv[li][w]
+                _, H, _, D = old.shape
+                buf = old.new_empty(N, H, L + self.extra, D)
+                if Nk:
+                    buf[:Nk, :, : L - L_old].zero_()
+                    src = old[:, :, trim : trim + L_old]
+                    d = 0
+                    for a, b in runs:
+                        buf[d : d + b - a, :, L - L_old : L] = src[a:b]
+                        d += b - a
+                row = Nk
+                for g, r, _i, _j, b, _c0, nc in units:
+                    grp = groups[g]
+                    p = grp.pads[r]
+                    buf[row : row + nc, :, : L - b].zero_()
+                    buf[row : row + nc, :, L - b : L] = grp.kv[li][w][r, :, p : p + b]
+                    row += nc
+                pair.append(buf)
+            layers.append(_BufferLayer(pair[0], pair[1], L, self.extra))
+        self.cache = DynamicCache()
+        self.cache.layers = layers
+
+        b_new = torch.tensor(new_b, dtype=torch.long, device=dev)
+        mask = torch.zeros(N, L, dtype=torch.long, device=dev)
+        if Nk:
+            mask[:Nk, L - L_old :] = old_mask[:, trim:]
+        if M:
+            mask[Nk:] = (torch.arange(L, device=dev).unsqueeze(0) >= (L - b_new).unsqueeze(1)).long()
+        self.mask = mask
+        new_tok = torch.zeros(M, self.max_new, dtype=torch.long, device=dev)
+        new_lp = torch.zeros(M, self.max_new, dtype=torch.float32, device=dev)
+        if M:
+            new_tok[:, 0], new_lp[:, 0] = tok0, lp0
+        else:
+            tok0 = new_tok[:, 0]
+        fields = (("pos", b_new), ("pending", tok0), ("tok", new_tok), ("lp", new_lp),
+                  ("gen", torch.ones(M, dtype=torch.long, device=dev)),
+                  ("alive", torch.ones(M, dtype=torch.int8, device=dev)))
+        for name, new in fields:
+            cur = getattr(self, name)
+            if Nk:
+                cur = cur.index_select(0, keep_t) if dead else cur
+                new = torch.cat([cur, new])
+            setattr(self, name, new)
+
+    def retire(self, rows):
+        """Mark finished rows; they are dropped at the next rebuild (copying the cache at every finish costs more)."""
+        self.dead.extend(rows)
+        r = torch.tensor(rows, device=self.dev)
+        self.alive[r] = 0
+        self.gen[r] = 0
+        self.pos[r] = 0  # keeps a finished row's (ignored) positions inside the model's range
 
 
 class Engine:
@@ -261,140 +367,100 @@ class Engine:
         cand = self._candidate_table(params.stop, vocab, dev)
         eos_t = torch.tensor(self.eos_token_ids or [-1], device=dev)
         window = (max((len(s) for s in params.stop), default=0)) + 8
-
-        # ---- running batch state
-        cache = None  # DynamicCache with layers [N, H, L, D]
-        N = 0
-        L = 0
-        mask = pos = pending = tok_buf = lp_buf = gen_len = None
-        meta: list[tuple[int, int, int]] = []  # (seq i, boundary j, copy c) per row
+        batch = _Batch(dev, max_new, extra=min(max_new + 1, 64))
         done = 0
 
-        def finish(row, g, reason, tok_row, lp_row):
+        def check(tok, first=0):
+            """Finish the rows first.. whose fresh tokens ``tok`` end them (EOS, stop string, length)."""
             nonlocal done
-            i, j, c = meta[row]
-            ids = tok_row[:g]
-            out[i][j][c] = Sample(
-                token_ids=ids,
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                logprobs=lp_row[:g],
-                finish_reason=reason,
-            )
-            done += 1
-
-        def check(tok, rows_tok_buf, rows_lp_buf, rows_gen_len, rows_alive, base=0):
-            """Flags for freshly sampled tokens of rows base.. ; returns the (batch) indices of live rows that finished."""
-            flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (rows_gen_len >= max_new).to(torch.int8) * _LEN
+            sl = slice(first, batch.N)
+            gen = batch.gen[sl]
+            flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (gen >= max_new).to(torch.int8) * _LEN
             if cand is not None:
                 flag = flag + cand[tok] * _CAND
-            flag = flag * rows_alive
+            flag = flag * batch.alive[sl]
             flagged = torch.nonzero(flag).view(-1)
             if flagged.numel() == 0:
-                return []
-            fl = flag[flagged].tolist()
-            rows = flagged.tolist()
+                return
             finished = []
-            for r, f in zip(rows, fl):
-                reason = None
-                if f & _EOS:
-                    reason = "stop"
-                else:
-                    if f & _CAND:
-                        g = int(rows_gen_len[r])
-                        tail = rows_tok_buf[r, max(0, g - window) : g].tolist()
-                        text = self.tokenizer.decode(tail, skip_special_tokens=True)
-                        if any(s in text for s in params.stop):
-                            reason = "stop"
-                    if reason is None and f & _LEN:
-                        reason = "length"
+            for r, f in zip(flagged.tolist(), flag[flagged].tolist()):
+                row = first + r
+                n = int(gen[r])
+                reason = "stop" if f & _EOS else None
+                if reason is None and f & _CAND:
+                    tail = batch.tok[row, max(0, n - window) : n].tolist()
+                    if any(s in self.tokenizer.decode(tail, skip_special_tokens=True) for s in params.stop):
+                        reason = "stop"
+                if reason is None and f & _LEN:
+                    reason = "length"
                 if reason is not None:
-                    g = int(rows_gen_len[r])
-                    finish(base + r, g, reason, rows_tok_buf[r, :g].tolist(), rows_lp_buf[r, :g].tolist())
-                    finished.append(base + r)
-            return finished
-
-        alive = None  # int8 [N]: 0 for finished rows still held in the batch
-        dead: list[int] = []
-
-        def compact():
-            nonlocal cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len, alive, dead
-            keep = self._keep(dead, N)
-            idx = torch.tensor(keep, device=dev)
-            cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len = self._select(
-                keep, cache, mask, pos, pending, tok_buf, lp_buf, gen_len, meta)
-            alive = alive.index_select(0, idx) if N else None
-            dead = []
-
-        def retire(rows):
-            # finished rows stay (masked out of the flags) until a quarter of the batch is finished, then the
-            # batch is compacted: copying the cache at every finish would cost more than the wasted rows
-            dead.extend(rows)
-            r = torch.tensor(rows, device=dev)
-            alive[r] = 0
-            gen_len[r] = 0
-            pos[r] = 0  # keeps a finished row's (ignored) positions inside the model's range
-            if progress is not None:
-                progress(done)
+                    i, j, c = batch.meta[row]
+                    ids = batch.tok[row, :n].tolist()
+                    out[i][j][c] = Sample(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                          logprobs=batch.lp[row, :n].tolist(), finish_reason=reason)
+                    finished.append(row)
+            if finished:
+                done += len(finished)
+                batch.retire(finished)
+                if progress is not None:
+                    progress(done)
 
         while True:
-            # ---- admit units into the batch while there is room
+            # ---- admit units while there is room; admission waits until a quarter of the batch has
+            # finished, since every admission rebuilds (copies) the batch's cache
             admitted = []
             if queue:
-                cap = budget // (max(L, queue[-1][4]) + max_new)
-                if N == 0 or N - len(dead) <= 0.75 * cap:
-                    B, rows = L, N
+                cap = budget // (max(batch.L, queue[-1][4]) + max_new)
+                if batch.N == 0 or batch.N - len(batch.dead) <= 0.75 * cap:
+                    L, rows = batch.L, batch.N - len(batch.dead)
                     while queue:
                         u = queue[-1]
-                        nb = max(B, u[4])
+                        nb = max(L, u[4])
                         if rows > 0 and (rows + u[6]) * (nb + max_new) > budget:
                             break
-                        queue.pop()
-                        admitted.append(u)
-                        B, rows = nb, rows + u[6]
-            if admitted:
-                if dead:
-                    compact()
-                # prefill the groups these units come from (each group once)
-                for u in admitted:
+                        admitted.append(queue.pop())
+                        L, rows = nb, rows + u[6]
+            if admitted or len(batch.dead) >= max(1, batch.N // 4):
+                for u in admitted:  # prefill the groups these units come from (each group once)
                     if u[0] not in groups:
                         groups[u[0]] = self._prefill(groups_idx[u[0]], seqs, bounds)
-                state = self._admit(admitted, groups, counts, cache, N, L, mask, pos, pending,
-                                    tok_buf, lp_buf, gen_len, meta, params, generator, max_new)
-                cache, N, L, mask, pos, pending, tok_buf, lp_buf, gen_len, new_tok, new_lp, first = state
-                ones = torch.ones(N - first, dtype=torch.int8, device=dev)
-                alive = ones if first == 0 else torch.cat([alive, ones])
-                # the new rows' first tokens may already finish them
-                sl = slice(first, N)
-                fin = check(new_tok, tok_buf[sl], lp_buf[sl], gen_len[sl], alive[sl], base=first)
-                if fin:
-                    retire(fin)
-            if N and len(dead) >= max(1, N // 4):
-                compact()
-            if N == 0:
+                tok0 = lp0 = None
+                if admitted:  # first tokens come from the prefill logits
+                    logits = torch.cat([groups[g].logits[r, groups[g].col[(r, b)]].unsqueeze(0).expand(nc, -1)
+                                        for g, r, _i, _j, b, _c0, nc in admitted])
+                    tok0, lp0 = self._sample(logits, params, generator)
+                first = batch.N - len(batch.dead)
+                batch.rebuild(admitted, groups, tok0, lp0)
+                for u in admitted:
+                    counts[u[0]] -= 1
+                    if counts[u[0]] == 0:  # every unit of the group is in the batch: free its prefill cache
+                        del groups[u[0]]
+                if admitted:  # the new rows' first tokens may already finish them
+                    check(tok0, first)
+            if batch.N == 0:
                 if queue:
                     continue
                 break
 
             # ---- one decode step
-            mask = torch.cat([mask, mask.new_ones(N, 1)], dim=1)
+            N = batch.N
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones(N, 1)], dim=1)
             logits = self.model(
-                input_ids=pending.view(N, 1),
-                attention_mask=mask,
-                position_ids=pos.view(N, 1),
+                input_ids=batch.pending.view(N, 1),
+                attention_mask=batch.mask,
+                position_ids=batch.pos.view(N, 1),
                 use_cache=True,
-                **{self._cache_kw: cache},
+                **{self._cache_kw: batch.cache},
             ).logits[:, -1, :]
-            L += 1
+            batch.L += 1
             tok, lp = self._sample(logits, params, generator)
-            idx = gen_len.clamp_max(max_new - 1).view(N, 1)
-            tok_buf.scatter_(1, idx, tok.view(N, 1))
-            lp_buf.scatter_(1, idx, lp.view(N, 1))
-            gen_len += 1
-            pos += 1
-            pending = tok
-            fin = check(tok, tok_buf, lp_buf, gen_len, alive)
-            if fin:
-                retire(fin)
+            idx = batch.gen.clamp_max(max_new - 1).view(N, 1)
+            batch.tok.scatter_(1, idx, tok.view(N, 1))
+            batch.lp.scatter_(1, idx, lp.view(N, 1))
+            batch.gen += 1
+            batch.pos += 1
+            batch.pending = tok
+            check(tok)
 
     # ------------------------------------------------------------------ pieces
 
@@ -424,103 +490,9 @@ class Engine:
             logits = logits[:, need]
         cache = getattr(res, "cache", None) or getattr(res, "past_key_values", None)
         kv = _layers_kv(cache)
-        pads = torch.tensor([P - n for n in lens], device=dev)
+        pads = [P - n for n in lens]
         colmap = {(r, b): col[P - lens[r] + b - 1] for r, i in enumerate(members) for b in bounds[i]}
         return _Group(kv, pads, logits, colmap)
-
-    def _admit(self, admitted, groups, counts, cache, N, L, mask, pos, pending,
-               tok_buf, lp_buf, gen_len, meta, params, generator, max_new):
-        """Add the admitted units' rows to the batch; sample their first tokens from the prefill logits."""
-        dev = self.device
-        B = max(u[4] for u in admitted)
-        M = sum(u[6] for u in admitted)
-        # rows, grouped by source group so each gather reads one group cache
-        by_group: dict[int, list] = {}
-        for u in admitted:
-            by_group.setdefault(u[0], []).append(u)
-        parts_kv = []
-        new_meta = []
-        first_logits = []
-        bvals = []
-        for g, units in by_group.items():
-            grp = groups[g]
-            rows = []
-            bs = []
-            for (_, r, i, j, b, c0, nc) in units:
-                rows.extend([r] * nc)
-                bs.extend([b] * nc)
-                new_meta.extend((i, j, c0 + c) for c in range(nc))
-                first_logits.append(grp.logits[r, grp.col[(r, b)]].unsqueeze(0).expand(nc, -1))
-            rows_t = torch.tensor(rows, device=dev)
-            b_t = torch.tensor(bs, device=dev)
-            t = torch.arange(B, device=dev)
-            src = (grp.pads[rows_t] + b_t - B).unsqueeze(1) + t.unsqueeze(0)  # [m, B]
-            src = src.clamp_min(0)
-            kvg = []
-            for keys, values in grp.kv:
-                H = keys.shape[1]
-                h = torch.arange(H, device=dev).view(1, H, 1)
-                ri = rows_t.view(-1, 1, 1)
-                si = src.unsqueeze(1)
-                kvg.append((keys[ri, h, si], values[ri, h, si]))
-            parts_kv.append(kvg)
-            bvals.extend(bs)
-            counts[g] -= len(units)
-            if counts[g] == 0:  # every unit of the group is in the batch: free its prefill cache
-                del groups[g]
-        new_kv = [
-            (torch.cat([p[li][0] for p in parts_kv]), torch.cat([p[li][1] for p in parts_kv]))
-            for li in range(len(parts_kv[0]))
-        ]
-        b_all = torch.tensor(bvals, device=dev)
-        new_mask = (torch.arange(B, device=dev).unsqueeze(0) >= (B - b_all).unsqueeze(1)).long()
-        # first tokens
-        logits = torch.cat(first_logits)
-        tok, lp = self._sample(logits, params, generator)
-        new_tok_buf = torch.zeros(M, max_new, dtype=torch.long, device=dev)
-        new_lp_buf = torch.zeros(M, max_new, dtype=torch.float32, device=dev)
-        new_tok_buf[:, 0] = tok
-        new_lp_buf[:, 0] = lp
-        new_gen = torch.ones(M, dtype=torch.long, device=dev)
-        new_pos = b_all.clone()
-        meta.extend(new_meta)
-        if N == 0:
-            cache = _new_cache(new_kv, min(max_new + 1, 64))
-            return (cache, M, B, new_mask, new_pos, tok, new_tok_buf, new_lp_buf, new_gen, tok, lp, 0)
-        Lm = max(L, B)
-        cache = _new_cache(
-            [(torch.cat([_lpad(layer.keys, Lm - L), _lpad(nk, Lm - B)]),
-              torch.cat([_lpad(layer.values, Lm - L), _lpad(nv, Lm - B)]))
-             for layer, (nk, nv) in zip(cache.layers, new_kv)],
-            min(max_new + 1, 64),
-        )
-        mask = torch.cat([F.pad(mask, (Lm - L, 0)), F.pad(new_mask, (Lm - B, 0))])
-        return (
-            cache, N + M, Lm, mask, torch.cat([pos, new_pos]), torch.cat([pending, tok]),
-            torch.cat([tok_buf, new_tok_buf]), torch.cat([lp_buf, new_lp_buf]), torch.cat([gen_len, new_gen]),
-            tok, lp, N,
-        )
-
-    @staticmethod
-    def _keep(finished, N):
-        f = set(finished)
-        return [r for r in range(N) if r not in f]
-
-    def _select(self, keep, cache, mask, pos, pending, tok_buf, lp_buf, gen_len, meta):
-        """Drop finished rows from the batch and trim all-padding columns on the left."""
-        meta[:] = [meta[r] for r in keep]
-        N = len(keep)
-        if N == 0:
-            return None, 0, 0, None, None, None, None, None, None
-        idx = torch.tensor(keep, device=mask.device)
-        mask = mask.index_select(0, idx)
-        trim = int((mask.shape[1] - mask.sum(1)).min())
-        for layer in cache.layers:
-            layer.select(idx, trim)
-        if trim:
-            mask = mask[:, trim:]
-        return (cache, N, mask.shape[1], mask, pos.index_select(0, idx), pending.index_select(0, idx),
-                tok_buf.index_select(0, idx), lp_buf.index_select(0, idx), gen_len.index_select(0, idx))
 
     @staticmethod
     def _sample(logits, params, generator):
@@ -533,13 +505,17 @@ class Engine:
             return tok, lp_all.gather(1, tok.view(-1, 1)).view(-1)
         lp_all = torch.log_softmax(logits / T, dim=-1)
         if params.top_p < 1.0:
-            sorted_lp, sorted_idx = lp_all.sort(dim=-1, descending=True)
-            probs = sorted_lp.exp()
+            # The nucleus lies inside the top TOP_K tokens of every row whenever their mass reaches top_p
+            # (usual at T < 1); then a top-k beats a full sort, and multinomial draws from TOP_K, not the vocabulary.
+            top_lp, top_idx = lp_all.topk(min(TOP_K, lp_all.shape[-1]), dim=-1)
+            if not bool((top_lp.exp().sum(-1) >= params.top_p).all()):
+                top_lp, top_idx = lp_all.sort(dim=-1, descending=True)
+            probs = top_lp.exp()
             cum = probs.cumsum(-1)
             # keep the smallest prefix whose mass reaches top_p: drop tokens whose preceding mass is already >= top_p
             probs = probs.masked_fill((cum - probs) >= params.top_p, 0.0)
             choice = _multinomial(probs, generator)
-            tok = sorted_idx.gather(1, choice.view(-1, 1)).view(-1)
+            tok = top_idx.gather(1, choice.view(-1, 1)).view(-1)
         else:
             tok = _multinomial(lp_all.exp(), generator)
         return tok, lp_all.gather(1, tok.view(-1, 1)).view(-1)
@@ -566,11 +542,6 @@ def _multinomial(probs, generator):
     if generator is not None and generator.device != probs.device:
         return torch.multinomial(probs.to(generator.device), 1, generator=generator).view(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).view(-1)
-
-
-def _lpad(x, n):
-    """Left-pad a [N, H, L, D] tensor with n zero columns along L."""
-    return F.pad(x, (0, 0, n, 0)) if n else x
 
 
 def _layers_kv(cache):
