@@ -362,3 +362,28 @@ def test_rows_finishing_at_admission_keep_their_identity(peaked, tok):
             ref = torch.log_softmax(lg, -1).gather(1, torch.tensor(s.token_ids).view(-1, 1)).view(-1)
             assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4)
     assert n_first > 0
+
+
+def test_continuations_logprobs_under_a_small_budget(llama, tok):
+    """Many prefixes of different lengths through a small budget: rows are refilled in place and rebuilt;
+    every continuation's log-probs must still equal a fresh forward pass over prefix + continuation."""
+    prompts = _prompts([3, 9, 17, 5, 12, 22, 7], seed=31)
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=9)
+    eng = Engine(llama, tok, token_budget=200)
+    resp = eng.generate(prompts, 1, params, generator=g)
+    seqs = [p + r[0].token_ids for p, r in zip(prompts, resp)]
+    bounds = [sorted({len(p), len(p) + 2, len(s) - 1} - {0}) for p, s in zip(prompts, seqs)]
+    seen, h = _record_batches(llama)
+    try:
+        mc = eng.continuations(seqs, bounds, 3, params, generator=g)
+    finally:
+        h.remove()
+    assert max(r * c for r, c in seen[1:]) <= 200 + 9  # decode batches within the budget
+    for s, bs, per in zip(seqs, bounds, mc):
+        for b, samples in zip(bs, per):
+            for x in samples:
+                with torch.no_grad():
+                    lg = llama(torch.tensor([s[:b] + x.token_ids])).logits[0, b - 1 : -1].float()
+                ref = torch.log_softmax(lg, -1).gather(1, torch.tensor(x.token_ids).view(-1, 1)).view(-1)
+                assert torch.allclose(torch.tensor(x.logprobs), ref, atol=1e-4)

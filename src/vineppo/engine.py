@@ -95,25 +95,30 @@ class _BufferLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in a preallocated buffer [N, H, capacity, D].
 
     ``DynamicLayer.update`` concatenates, copying the whole cache every step; here the new column is
-    written in place and ``keys``/``values`` are views ``[:, :, :n]``. The buffer grows (by copying) only
-    if it runs out of room.
+    written in place and ``keys``/``values`` are views ``[:, :, start:n]`` (``start`` moves right when the
+    columns on the left are padding for every row). Every column below ``n`` holds finite values, so any
+    of them may come back into the view, masked. When the buffer runs out of room, the view is copied to
+    the front of a larger one.
     """
 
     def __init__(self, kb, vb, n, extra):
         super().__init__()
-        self.kb, self.vb, self.n, self.extra = kb, vb, n, extra  # columns past n are never read
+        self.kb, self.vb, self.start, self.n, self.extra = kb, vb, 0, n, extra  # columns past n are never read
         self.device, self.is_initialized = kb.device, True
         self._views()
 
     def _views(self):
-        self.keys = self.kb[:, :, : self.n]
-        self.values = self.vb[:, :, : self.n]
+        self.keys = self.kb[:, :, self.start : self.n]
+        self.values = self.vb[:, :, self.start : self.n]
 
     def update(self, key_states, value_states, *args, **kwargs):
         m = key_states.shape[-2]
         if self.n + m > self.kb.shape[2]:
-            grow = (0, 0, 0, m + self.extra)
-            self.kb, self.vb = F.pad(self.kb, grow), F.pad(self.vb, grow)
+            used = self.n - self.start
+            N, H, _, D = self.kb.shape
+            kb, vb = self.kb.new_empty(N, H, used + m + self.extra, D), self.vb.new_empty(N, H, used + m + self.extra, D)
+            kb[:, :, :used], vb[:, :, :used] = self.keys, self.values
+            self.kb, self.vb, self.start, self.n = kb, vb, 0, used
         self.kb[:, :, self.n : self.n + m] = key_states
         self.vb[:, :, self.n : self.n + m] = value_states
         self.n += m
@@ -137,8 +142,9 @@ class _Batch:
     """The running decode batch, one row per sample being generated.
 
     Rows are right-aligned: every row writes its next token at the same column, so a row holding t tokens
-    (prefix + generated) occupies the last t of the L columns; the columns to its left hold zero keys/values
-    (finite, so masking them out is exact) and are masked out.
+    (prefix + generated) occupies the last t of the L columns of the view; the columns to its left hold
+    finite keys/values (zeros, or a finished row's leftovers) and are masked out. A finished row stays in
+    place, masked, until a new row takes its place (``fill``) or the batch is rebuilt.
     """
 
     def __init__(self, dev, max_new, extra):
@@ -190,7 +196,7 @@ class _Batch:
             for w in range(2):  # keys, values
                 if Nk:
                     old_layer = self.cache.layers[li]
-                    old = (old_layer.kb, old_layer.vb)[w]
+                    old = (old_layer.keys, old_layer.values)[w]
                 else:
                     old = groups[units[0][0]].kv[li][w]
                 _, H, _, D = old.shape
@@ -237,13 +243,62 @@ class _Batch:
                 new = torch.cat([cur, new])
             setattr(self, name, new)
 
+    @property
+    def n(self):
+        """The cache's write column in its buffer: a prefix of b tokens can be written in place if b <= n."""
+        return self.cache.layers[0].n if self.N else 0
+
+    def fill(self, units, groups, tok0, lp0):
+        """Write the rows of ``units`` in place of finished rows (no other row is copied); return their indices.
+
+        Needs at least as many finished rows as new rows, and every new prefix to fit left of the write column.
+        """
+        layers = self.cache.layers
+        n = layers[0].n
+        B = max(u[4] for u in units)
+        if B > self.L:  # widen the view to the left: those columns are finite and masked for the other rows
+            for layer in layers:
+                layer.start = n - B
+                layer._views()
+            self.mask = F.pad(self.mask, (B - self.L, 0))
+            self.L = B
+        M = sum(u[6] for u in units)
+        slots = self.dead[:M]
+        self.dead = self.dead[M:]
+        idx = torch.tensor(slots, device=self.dev)
+        b_new = torch.tensor([u[4] for u in units for _ in range(u[6])], device=self.dev)
+        row = 0
+        for g, r, i, j, b, c0, nc in units:
+            grp, rows = groups[g], idx[row : row + nc]
+            p = grp.pads[r]
+            for layer, (k, v) in zip(layers, grp.kv):
+                layer.kb[rows, :, n - b : n] = k[r, :, p : p + b]
+                layer.vb[rows, :, n - b : n] = v[r, :, p : p + b]
+            self.mask[rows] = 0
+            self.mask[rows, self.L - b :] = 1
+            for c in range(nc):
+                self.meta[slots[row + c]] = (i, j, c0 + c)
+            row += nc
+        self.pos[idx], self.pending[idx], self.gen[idx], self.alive[idx] = b_new, tok0, 1, 1
+        self.tok[idx], self.lp[idx] = 0, 0.0
+        self.tok[idx, 0], self.lp[idx, 0] = tok0, lp0
+        return idx
+
     def retire(self, rows):
-        """Mark finished rows; they are dropped at the next rebuild (copying the cache at every finish costs more)."""
+        """Mark finished rows and mask them out; trim the view's columns that are now padding for every row."""
         self.dead.extend(rows)
         r = torch.tensor(rows, device=self.dev)
         self.alive[r] = 0
         self.gen[r] = 0
         self.pos[r] = 0  # keeps a finished row's (ignored) positions inside the model's range
+        self.mask[r] = 0  # it attends to its own new columns only, so it stays finite
+        trim = self.L - int((self.mask.sum(1) * self.alive).max())
+        if 0 < trim < self.L:
+            for layer in self.cache.layers:
+                layer.start += trim
+                layer._views()
+            self.mask = self.mask[:, trim:]
+            self.L -= trim
 
 
 class Engine:
@@ -370,10 +425,10 @@ class Engine:
         batch = _Batch(dev, max_new, extra=min(max_new + 1, 64))
         done = 0
 
-        def check(tok, first=0):
-            """Finish the rows first.. whose fresh tokens ``tok`` end them (EOS, stop string, length)."""
+        def check(tok, rows=None):
+            """Finish the rows (all, or the indices ``rows``) whose fresh tokens ``tok`` end them (EOS, stop, length)."""
             nonlocal done
-            sl = slice(first, batch.N)
+            sl = slice(None) if rows is None else rows
             gen = batch.gen[sl]
             flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (gen >= max_new).to(torch.int8) * _LEN
             if cand is not None:
@@ -383,8 +438,9 @@ class Engine:
             if flagged.numel() == 0:
                 return
             finished = []
+            index = None if rows is None else rows.tolist()
             for r, f in zip(flagged.tolist(), flag[flagged].tolist()):
-                row = first + r
+                row = r if index is None else index[r]
                 n = int(gen[r])
                 reason = "stop" if f & _EOS else None
                 if reason is None and f & _CAND:
@@ -406,37 +462,45 @@ class Engine:
                     progress(done)
 
         while True:
-            # ---- admit units while there is room; admission waits until a quarter of the batch has
-            # finished, since every admission rebuilds (copies) the batch's cache
+            # ---- admit units as soon as rows have finished (or the batch could grow by a third). New rows take
+            # finished rows' places in place, which is cheap; the batch is rebuilt (copied) only to grow, to shed
+            # finished rows no new row takes (a quarter of the batch), to stay within the budget as the cache
+            # lengthens, or when a new prefix does not fit left of the cache's write column.
             admitted = []
+            live = batch.N - len(batch.dead)
             if queue:
                 cap = budget // (max(batch.L, queue[-1][4]) + max_new)
-                if batch.N == 0 or batch.N - len(batch.dead) <= 0.75 * cap:
-                    L, rows = batch.L, batch.N - len(batch.dead)
+                if batch.N == 0 or batch.dead or live <= 0.75 * cap:
+                    room = len(batch.dead) if batch.N and cap < 1.25 * batch.N else cap
+                    L, rows, new = batch.L, live, 0
                     while queue:
                         u = queue[-1]
                         nb = max(L, u[4])
-                        if rows > 0 and (rows + u[6]) * (nb + max_new) > budget:
+                        if rows > 0 and ((rows + u[6]) * (nb + max_new) > budget or new + u[6] > room):
                             break
                         admitted.append(queue.pop())
-                        L, rows = nb, rows + u[6]
-            if admitted or len(batch.dead) >= max(1, batch.N // 4):
+                        L, rows, new = nb, rows + u[6], new + u[6]
+            if admitted:
                 for u in admitted:  # prefill the groups these units come from (each group once)
                     if u[0] not in groups:
                         groups[u[0]] = self._prefill(groups_idx[u[0]], seqs, bounds)
-                tok0 = lp0 = None
-                if admitted:  # first tokens come from the prefill logits
-                    logits = torch.cat([groups[g].logits[r, groups[g].col[(r, b)]].unsqueeze(0).expand(nc, -1)
-                                        for g, r, _i, _j, b, _c0, nc in admitted])
-                    tok0, lp0 = self._sample(logits, params, generator)
-                first = batch.N - len(batch.dead)
-                batch.rebuild(admitted, groups, tok0, lp0)
+                logits = torch.cat([groups[g].logits[r, groups[g].col[(r, b)]].unsqueeze(0).expand(nc, -1)
+                                    for g, r, _i, _j, b, _c0, nc in admitted])
+                tok0, lp0 = self._sample(logits, params, generator)  # first tokens come from the prefill logits
+                B = max(u[4] for u in admitted)
+                if (sum(u[6] for u in admitted) <= len(batch.dead) and B <= batch.n
+                        and batch.N * (max(batch.L, B) + max_new) <= budget):
+                    rows_t = batch.fill(admitted, groups, tok0, lp0)
+                else:
+                    batch.rebuild(admitted, groups, tok0, lp0)
+                    rows_t = torch.arange(live, batch.N, device=dev)
                 for u in admitted:
                     counts[u[0]] -= 1
                     if counts[u[0]] == 0:  # every unit of the group is in the batch: free its prefill cache
                         del groups[u[0]]
-                if admitted:  # the new rows' first tokens may already finish them
-                    check(tok0, first)
+                check(tok0, rows_t)  # the new rows' first tokens may already finish them
+            elif len(batch.dead) >= max(1, batch.N // 4):
+                batch.rebuild([], groups, None, None)
             if batch.N == 0:
                 if queue:
                     continue
