@@ -1,17 +1,19 @@
 """Benchmark of the rollout engine on the Monte Carlo workload of one VinePPO iteration (small scale).
 
-    python benchmarks/rollouts.py [--json] [--model DIR] [--naive-fraction 0.2] [--threads N]
+    python benchmarks/rollouts.py [--json] [--model DIR] [--naive-fraction 0.2] [--threads N] [--repeats 3]
 
 Workload: 64 prompts, one response each (T=0.6, top-p 0.9), every step boundary of every response
 (the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
 
 Reports
-- native: the engine's throughput (generated tokens/s) on the whole continuation workload;
+- native: the engine's throughput (generated tokens/s) on the whole continuation workload (median of --repeats);
 - naive: Hugging Face ``model.generate(do_sample=True, num_return_sequences=K)`` over left-padded batches
   of prefixes, every prefix re-encoded (a fraction of the prefixes, for time; tokens up to EOS count);
-- limit: bare batched decode steps of the same model at the engine's mean batch size with a cache of
-  realistic length (``model(input_ids=next_token, cache=cache)`` in a loop, no sampling, no masks), with the
-  engine's in-place KV buffer (HF's plain DynamicCache, which concatenates every step, is reported too);
+- limit: bare batched decode steps of the same model at the engine's mean batch size, attending on average to
+  the workload's mean useful context (mean prefix + half the mean continuation; no padding), in a loop
+  ``model(input_ids=next_token, cache=cache)`` with no sampling and no masks, with the engine's in-place KV
+  buffer (HF's plain DynamicCache, which concatenates every step, is reported too); best of 3 short runs,
+  median over --repeats, each run right after an engine run;
 - speedup = native / naive, fraction_of_limit = native / limit.
 
 Without ``--model``: a randomly initialised Llama (hidden 256, 4 layers, vocabulary 64), random 60-100
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -214,6 +217,7 @@ def main(argv=None):
     ap.add_argument("--model", help="a saved Hugging Face model folder (default: tiny random Llama)")
     ap.add_argument("--naive-fraction", type=float, default=0.2, help="share of prefixes the naive baseline runs")
     ap.add_argument("--naive-batch", type=int, default=32, help="prefixes per naive generate() call (x K rows)")
+    ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (default: the machine's cores; use fewer when others share the machine)")
     args = ap.parse_args(argv)
@@ -226,13 +230,19 @@ def main(argv=None):
         model, tok, seqs, bounds, params, note = random_setup()
         eos_id = None
     n_bounds = sum(map(len, bounds))
-    native, ninfo = run_native(model, tok, seqs, bounds, params)
+    # engine and limit alternate, so both see the same (shared, noisy) machine; medians are reported
+    natives, limits = [], []
+    for rep in range(args.repeats):
+        native, ninfo = run_native(model, tok, seqs, bounds, params)
+        natives.append(native)
+        if rep == 0:
+            rows = int(round(ninfo["mean_rows"]))
+            mean_prefix = sum(b for bs in bounds for b in bs) / n_bounds
+            mean_cont = ninfo["tokens"] / max(1, ninfo["continuations"])
+            ctx = int(mean_prefix + mean_cont / 2)
+        limits.append(run_limit(model, rows, ctx))
+    native, limit = statistics.median(natives), statistics.median(limits)
     naive, vinfo = run_naive(model, tok, seqs, bounds, params, args.naive_batch, args.naive_fraction, eos_id)
-    rows = int(round(ninfo["mean_rows"]))
-    mean_prefix = sum(b for bs in bounds for b in bs) / n_bounds
-    mean_cont = ninfo["tokens"] / max(1, ninfo["continuations"])
-    ctx = int(mean_prefix + mean_cont / 2)
-    limit = run_limit(model, rows, ctx)
     limit_hf = run_limit(model, rows, ctx, buffered=False)
     res = {
         "native_tokens_per_s": native,
@@ -240,6 +250,8 @@ def main(argv=None):
         "speedup": native / naive,
         "limit_tokens_per_s": limit,
         "fraction_of_limit": native / limit,
+        "native_runs_tokens_per_s": natives,
+        "limit_runs_tokens_per_s": limits,
         "limit_hf_dynamic_cache_tokens_per_s": limit_hf,
         "model": args.model or "random-llama-h256-l4",
         "threads": threads,
@@ -263,10 +275,11 @@ def main(argv=None):
     print(f"workload: {len(seqs)} responses, {n_bounds} boundaries, K={K} -> {ninfo['continuations']} continuations, "
           f"{ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
           f"max_new_tokens={params.max_new_tokens})")
-    print(f"native engine : {native:9.0f} tokens/s  ({ninfo['seconds']:.1f} s, {ninfo['decode_steps']} decode steps, "
-          f"mean batch {ninfo['mean_rows']:.0f} rows)")
+    print(f"native engine : {native:9.0f} tokens/s  (median of {args.repeats}; {ninfo['seconds']:.1f} s, "
+          f"{ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows)")
     print(f"naive HF      : {naive:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, {vinfo['seconds']:.1f} s)")
-    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens, in-place KV buffer)")
+    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens, in-place KV buffer; median of "
+          f"{args.repeats})")
     print(f"  (same loop with HF's concatenating DynamicCache: {limit_hf:.0f} tokens/s)")
     print(f"speedup {res['speedup']:.2f}x, fraction of limit {res['fraction_of_limit']:.2f}")
 
