@@ -24,11 +24,13 @@ sequence, and a number of copies to sample from it).
    Each step feeds one token per row through the model with a ``DynamicCache`` whose layers write new
    keys/values in place into a preallocated buffer (``_BufferLayer``; the stock layer concatenates,
    copying the whole cache every step, which dominates small-model decode). Finished rows (EOS, stop
-   string, length) are masked out at once and dropped at the next rebuild; a rebuild (admission, or a
-   quarter of the batch finished) copies each kept row once into a fresh buffer, trims all-padding
-   columns on the left and appends the new rows. New units are admitted when the batch has shrunk
-   (continuous batching), always keeping ``rows x (length + max_new_tokens) <= token_budget``, so memory
-   is bounded and a large Monte Carlo job is chunked automatically.
+   string, length) are masked out at once, and padding columns on the left are dropped by moving the
+   cache view. New units are admitted as soon as rows finish (continuous batching): their rows take the
+   finished rows' places in place, so no other row is copied. The batch is rebuilt (each kept row copied
+   once into a fresh buffer) only to grow, to shed finished rows no new row takes, to stay within the
+   budget as the cache lengthens, or when a new prefix does not fit left of the write column. Admission
+   always keeps ``rows x (length + max_new_tokens) <= token_budget``, so memory is bounded and a large
+   Monte Carlo job is chunked automatically.
 3. Sampling. Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p`` of the mass
    (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
 
@@ -152,7 +154,7 @@ class _Batch:
         self.N = self.L = 0
         self.cache = None  # DynamicCache of _BufferLayer
         self.meta: list[tuple[int, int, int]] = []  # (seq i, boundary j, copy c) per row
-        self.dead: list[int] = []  # finished rows still held (masked out of the flags) until the next rebuild
+        self.dead: list[int] = []  # finished rows still held, masked, until refilled or rebuilt away
         self.mask = self.pos = self.pending = self.tok = self.lp = self.gen = self.alive = None
 
     def rebuild(self, units, groups, tok0, lp0):
