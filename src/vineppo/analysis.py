@@ -110,11 +110,6 @@ class Node:
     terminal: float | None = None
 
 
-def _reward(grade: Callable[[str, str], float], text: str, sample, answer: str) -> float:
-    """The training reward of a completed text: graded when it stopped, 0 when cut off by the length limit."""
-    return outcome_reward(grade, text, answer, sample.finish_reason)
-
-
 def sample_states(engine, tokenizer, task, examples: list, n_states: int, params: SamplingParams,
                   generator: torch.Generator, rng: random.Random) -> list[dict]:
     """Up to n_states states, one per sampled response (t uniform in 0..T-1), with the response's group rewards."""
@@ -126,7 +121,7 @@ def sample_states(engine, tokenizer, task, examples: list, n_states: int, params
     outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator)
     states = []
     for ex, prompt, samples in zip(problems, prompts, outputs):
-        rewards = [_reward(task.grade, s.text, s, ex.answer) for s in samples]
+        rewards = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in samples]
         for m, s in enumerate(samples):
             steps = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
             t = rng.randrange(len(steps))
@@ -154,7 +149,7 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
                 continue
             if end >= len(s.token_ids):  # the first step is the whole continuation: the response ends there
                 alts.append(Node(state, len(state), node.prompt_len, node.answer,
-                                 terminal=_reward(task.grade, prefix + s.text, s, node.answer)))
+                                 terminal=outcome_reward(task.grade, prefix + s.text, node.answer, s.finish_reason)))
             else:
                 alts.append(Node(state, len(state), node.prompt_len, node.answer))
         out.append(alts)
@@ -177,7 +172,7 @@ def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes
     out = [[n.terminal] * k if n.terminal is not None else None for n in nodes]
     for i, (samples,) in zip(live, conts):
         prefix = _prefix_text(tokenizer, nodes[i])
-        out[i] = [_reward(grade, prefix + s.text, s, nodes[i].answer) for s in samples]
+        out[i] = [outcome_reward(grade, prefix + s.text, nodes[i].answer, s.finish_reason) for s in samples]
     return out
 
 

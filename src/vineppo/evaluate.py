@@ -67,11 +67,6 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
     return None
 
 
-def _correct(task: Task, sample, answer: str) -> float:
-    """Reward of one sample: the task's grade; a response cut off by the token limit counts as wrong."""
-    return outcome_reward(task.grade, sample.text, answer, sample.finish_reason)
-
-
 def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
              top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
              token_budget: int = 65536) -> dict:
@@ -103,8 +98,8 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
 
     rows = []
     for ex, outs, g in zip(examples, sampled, greedy):
-        marks = [_correct(task, s, ex.answer) for s in outs]
-        g_ok = _correct(task, g[0], ex.answer)
+        marks = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in outs]
+        g_ok = outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason)
         rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": sum(marks) / len(marks) if marks else None},
                          correct=int(sum(marks)), samples=len(marks), greedy=g_ok, greedy_text=g[0].text,
                          sample_texts=[s.text for s in outs], sample_correct=marks))
