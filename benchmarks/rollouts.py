@@ -24,6 +24,7 @@ tokens (a random model never emits EOS, so every continuation runs to the length
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -191,7 +192,7 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
 
     from vineppo.engine import _new_cache
 
-    sig = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    sig = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     V = model.get_output_embeddings().weight.shape[0]
     dev = next(model.parameters()).device
     warm = 3
