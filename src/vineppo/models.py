@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from vineppo.errors import UserError
+from vineppo.tasks.data import reachable
 
 EOS = "<|endoftext|>"
 TINY_SIZE = dict(hidden=128, layers=4, heads=4)  # default tiny model (0.9M params); mlp = 3x (llama/qwen2), 4x (gpt2)
@@ -82,15 +84,21 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
         raise UserError(f"model folder {name} not found")
     elif _offline():
         src, local_only = name, True  # only the local hub cache may answer
+    elif not reachable():  # checked first: unreachable, transformers retries for about a minute before failing
+        src, local_only = name, True
     else:
         src, local_only = name, False
     torch_dtype = parse_dtype(dtype) or torch.float32
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local_only, dtype=torch_dtype)
-    except (OSError, ValueError) as e:
-        why = "not in the local cache and HF_HUB_OFFLINE is set" if (local_only and not local.is_dir()) else \
-            str(e).strip().splitlines()[0][:200]
+    except (OSError, ValueError, SafetensorError) as e:
+        why = str(e).strip().splitlines()[0][:200]
+        if local_only and not local.is_dir():
+            why = "not in the local cache and " + ("HF_HUB_OFFLINE is set" if _offline() else
+                                                  "huggingface.co cannot be reached; pass a local model folder")
+        elif isinstance(e, SafetensorError):
+            why = f"its weights are damaged or truncated ({why})"
         raise UserError(f"cannot load model {name}: {why}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
