@@ -37,9 +37,11 @@ from typing import Callable
 
 import torch
 
+from vineppo import config as configs
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
+from vineppo.runs import make_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
@@ -363,13 +365,16 @@ def run(args: argparse.Namespace) -> int:
     from vineppo.tracking import console as err_console
     from vineppo.tracking import progress_bar
 
+    configs.check_flags(vars(args), dict(states=configs.AT_LEAST_1, gt_k=configs.AT_LEAST_1,
+                                         ranking_states=configs.AT_LEAST_0, max_new_tokens=configs.AT_LEAST_1))
     ranking_states = args.ranking_states if args.ranking_states is not None else math.ceil(args.states / 5)
-    if args.states < 1 or args.gt_k < 1 or ranking_states < 0:
-        raise UserError("--states and --gt-k must be >= 1 and --ranking-states >= 0")
     if ranking_states and args.alternatives < 2:
         raise UserError("--alternatives must be >= 2 to rank steps (or pass --ranking-states 0)")
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be >= 1")
+    if args.token_budget <= args.max_new_tokens:
+        raise UserError(f"--token-budget: smaller than one row (a prompt plus --max-new-tokens {args.max_new_tokens} "
+                        f"tokens), got {args.token_budget}")
+    out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
+    make_folder(out, f"--out {out}")
     task = get_task(args.task)
     examples = task.load(args.split, args.data, args.seed)
     if not examples:
@@ -392,8 +397,6 @@ def run(args: argparse.Namespace) -> int:
                          progress=lambda done, total: bar.update(job, completed=done, total=total, status=""))
     result["model"], result["critic"], result["task"] = model_dir, args.critic, args.task
 
-    out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
     (out / "values.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "values.png")
     print_table(result, err_console if args.json else Console())

@@ -35,16 +35,25 @@ RUN_NAME = re.compile(r"^(?P<algo>[\w.]+)-s(?P<seed>\d+)$")
 # ------------------------------------------------------------------------------------ running
 
 
-def plan(algos: list[str], seeds: int, preset: str) -> None:
-    """Check the algorithms exist and sample the same number of responses per iteration under `preset`."""
+def plan(algos: list[str], seeds: int, preset: str, train_args: list[str] = ()) -> None:
+    """Check every run's settings (preset + --train-args) and that all sample as many responses per iteration."""
     from vineppo import config as configs
 
-    budgets = {a: (c.prompts_per_iter * c.samples_per_prompt)
-               for a in algos for c in [configs.resolve(configs.load_preset(preset), {"algo": a})]}
-    if len(set(budgets.values())) > 1:
-        raise UserError(f"preset {preset!r} gives the algorithms different sample budgets per iteration: {budgets}")
     if seeds < 1:
         raise UserError("--seeds must be >= 1")
+    parser = argparse.ArgumentParser(prog="--train-args", add_help=False, exit_on_error=False)
+    configs.add_config_arguments(parser)
+    try:
+        parsed, unknown = parser.parse_known_args(list(train_args))
+    except argparse.ArgumentError as e:
+        raise UserError(f"--train-args: {e}") from None
+    if unknown:
+        raise UserError(f"--train-args: not a training setting: {' '.join(unknown)}")
+    flags = configs.overrides_from(parsed)
+    budgets = {a: (c.prompts_per_iter * c.samples_per_prompt)
+               for a in algos for c in [configs.resolve(configs.load_preset(preset), {**flags, "algo": a}, preset)]}
+    if len(set(budgets.values())) > 1:
+        raise UserError(f"preset {preset!r} gives the algorithms different sample budgets per iteration: {budgets}")
 
 
 def train_command(run_dir: Path, algo: str, seed: int, iterations: int | None, preset: str,
@@ -335,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--algos is empty")
         if args.jobs < 1 or (args.iterations is not None and args.iterations < 1):
             raise UserError("--jobs and --iterations must be >= 1")
-        plan(algos, args.seeds, args.config)
+        plan(algos, args.seeds, args.config, shlex.split(args.train_args))
         _ensure_start_model(args.config, args.train_args)
         failed = run_all(out, algos, args.seeds, args.iterations, args.config, args.jobs, shlex.split(args.train_args))
     summary = report(out)

@@ -3,14 +3,22 @@
 Precedence, lowest first: the dataclass defaults (the paper's settings for 1B-7B models), the YAML
 preset or file (`--config`), the chosen algorithm's defaults (ALGOS), the preset's `algos: {NAME: ...}`
 section for that algorithm, then `--field value` flags.
+
+Every configuration passes `validate` before anything loads: each value is coerced to its field's type
+(PyYAML reads `1e-4` as a string) or refused, then checked against its rule (RULES) and the rules that
+tie fields together (COMBINATIONS); an error names the file and key, or the flag, the value came from.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
@@ -72,6 +80,102 @@ class TrainConfig:
     wandb: str | None = None  # Weights & Biases project name (None: off)
 
 
+# A rule: (test, what a value must be). Tests see values already coerced to the field's type; NaN fails them all.
+Rule = tuple[Callable[[Any], bool], str]
+AT_LEAST_0: Rule = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_1: Rule = (lambda v: v >= 1, "must be >= 1")
+POSITIVE: Rule = (lambda v: 0 < v < math.inf, "must be > 0 and finite")
+NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "must be >= 0 and finite")
+FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be between 0 and 1")
+TOP_P: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
+
+RULES: dict[str, Rule] = {
+    "algo": (lambda v: v in ALGOS, f"must be one of {', '.join(ALGOS)}"),
+    "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "must be auto, cpu, cuda or cuda:N"),
+    "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1,
+    "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),
+    "top_p": TOP_P, "max_new_tokens": AT_LEAST_1, "mc_k": AT_LEAST_1, "mc_max_states": AT_LEAST_1,
+    "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
+    "micro_batch": AT_LEAST_1, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
+    "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
+    "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
+    "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
+    "token_budget": AT_LEAST_1,
+}
+
+# Rules over several fields: (the field an error names, test, what must hold).
+COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
+    ("samples_per_prompt", lambda c: c.estimator not in ("grpo", "rloo") or c.samples_per_prompt >= 2,
+     lambda c: f"{c.algo} compares the responses to one prompt and needs at least 2 (with 1 every advantage is 0)"),
+    ("token_budget", lambda c: c.token_budget > c.max_new_tokens,
+     lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
+]
+
+
+def validate(cfg: TrainConfig | dict, origin: dict[str, str] | None = None) -> TrainConfig:
+    """A TrainConfig from coerced, range-checked settings; a UserError names the file and key (origin) or the flag."""
+    values = dataclasses.asdict(cfg) if isinstance(cfg, TrainConfig) else dict(cfg)
+    where = {f.name: _flag(f.name) for f in fields(TrainConfig)} | (origin or {})
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
+    for key in values:
+        if key not in kinds:
+            raise UserError(f"{where.get(key, key)}: unknown setting")
+    out = TrainConfig(**{k: _coerce(v, kinds[k], where[k]) for k, v in values.items()})
+    for key, rule in RULES.items():
+        check(getattr(out, key), rule, where[key])
+    for key, test, must in COMBINATIONS:
+        if not test(out):
+            raise UserError(f"{where[key]}: {must(out)}, got {_show(getattr(out, key))}")
+    return out
+
+
+def check(value: Any, rule: Rule, where: str) -> None:
+    """Refuse a value that breaks its rule, in one line: '--lr: must be > 0 and finite, got -1'."""
+    if value is not None and not rule[0](value):
+        raise UserError(f"{where}: {rule[1]}, got {_show(value)}")
+
+
+def check_flags(values: dict[str, Any], rules: dict[str, Rule]) -> None:
+    """Check the command-line values named in `rules` (None: not given); an error names the flag."""
+    for name, rule in rules.items():
+        check(values.get(name), rule, _flag(name))
+
+
+def _coerce(value: Any, kind: str, where: str) -> Any:
+    """`value` as the field type `kind` ('int', 'float', 'bool', 'str', 'str | None'), or a UserError."""
+    base = kind.split(" ")[0]
+    if value is None and kind.endswith("| None"):
+        return None
+    if isinstance(value, _TYPES[base]) and not (base == "int" and isinstance(value, bool)):  # True is an int
+        return value
+    if base == "bool" and isinstance(value, str) and value.lower() in _BOOLS:
+        return _BOOLS[value.lower()]
+    if base in ("int", "float") and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)  # PyYAML reads 1e-4 (no dot) as the string "1e-4"
+        except ValueError:
+            raise UserError(f"{where}: expected a number, got {_show(value)}") from None
+        if base == "float":
+            return number
+        if number.is_integer():
+            return int(number)
+        raise UserError(f"{where}: expected a whole number, got {_show(value)}")
+    what = {"int": "a number", "float": "a number", "bool": "true or false", "str": "text"}[base]
+    raise UserError(f"{where}: expected {what}, got {_show(value)}")
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value) if isinstance(value, int) else repr(value)
+
+
 def load_preset(name_or_path: str) -> dict:
     """A preset by name (configs/NAME.yaml in the package) or a YAML file path, as a dict."""
     path = Path(name_or_path)
@@ -89,19 +193,26 @@ def load_preset(name_or_path: str) -> dict:
     return data
 
 
-def resolve(preset: dict, overrides: dict) -> TrainConfig:
-    """Merge defaults, algorithm defaults, preset and overrides into a checked TrainConfig."""
+def resolve(preset: dict, overrides: dict, source: str = "config") -> TrainConfig:
+    """Merge defaults, algorithm defaults, preset and overrides into a validated TrainConfig; `source` names the preset."""
     known = {f.name for f in fields(TrainConfig)} | {"algos"}
-    for source, values in (("config", preset), ("flag", overrides)):
+    for origin, values in (("config", preset), ("flag", overrides)):
         for key in values:
             if key not in known:
-                raise UserError(f"unknown {source} setting {key!r}")
+                raise UserError(f"unknown {origin} setting {key!r}")
     algo = overrides.get("algo", preset.get("algo", TrainConfig.algo))
     if algo not in ALGOS:
         raise UserError(f"--algo {algo!r}: choose one of {', '.join(ALGOS)}")
     general = {k: v for k, v in preset.items() if k != "algos"}
-    merged = {**general, **ALGOS[algo], **(preset.get("algos") or {}).get(algo, {}), **overrides}
-    return TrainConfig(**merged)
+    sections = preset.get("algos") or {}
+    section = sections.get(algo) if isinstance(sections, dict) else None
+    if not isinstance(sections, dict) or not isinstance(section or {}, dict):
+        raise UserError(f"{source}: algos: expected a mapping of algorithm names to settings")
+    section = section or {}
+    merged = {**general, **ALGOS[algo], **section, **overrides}
+    origin = {**{k: f"{source}: {k}" for k in general}, **{k: f"--algo {algo}" for k in ALGOS[algo]},
+              **{k: f"{source}: algos: {algo}: {k}" for k in section}, **{k: _flag(k) for k in overrides}}
+    return validate(merged, origin)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,20 +229,25 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def save(cfg: TrainConfig, path: Path) -> None:
-    """Write the resolved configuration as YAML."""
-    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    """Write the resolved configuration as YAML (atomically: a kill mid-write leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def load(path: Path) -> TrainConfig:
-    """Read a configuration saved by `save`."""
-    return TrainConfig(**yaml.safe_load(path.read_text()))
+def load(path: Path, overrides: dict | None = None) -> TrainConfig:
+    """Read a configuration saved by `save`, with flag `overrides` on top, validated."""
+    data = load_preset(str(path))
+    origin = {k: f"{path}: {k}" for k in data} | {k: _flag(k) for k in overrides or {}}
+    return validate({**data, **(overrides or {})}, origin)
 
 
 def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in _BOOLS:
+        return _BOOLS[text.lower()]
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 

@@ -17,13 +17,18 @@ from pathlib import Path
 
 import torch
 
+from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length, encode_prompt, load_model
+from vineppo.runs import make_folder
 from vineppo.tasks import Example, Task, get_task
 
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 _FINAL = re.compile(r"^\s*####\s*(.*?)\s*$")
+# Flag rules, checked before any model or data loads.
+RULES = dict(samples=configs.AT_LEAST_0, temperature=configs.NON_NEGATIVE, top_p=configs.TOP_P,
+             limit=configs.AT_LEAST_1, max_new_tokens=configs.AT_LEAST_1)
 
 
 def _parse(line: str) -> tuple[int, str, int, int] | None:
@@ -147,13 +152,15 @@ def run(args: argparse.Namespace) -> int:
     """Run `vineppo eval` from parsed flags."""
     from vineppo.sft import default_sft_dir
 
+    configs.check_flags(vars(args), RULES)
     task = get_task(args.task)
-    if args.limit is not None and args.limit < 1:
-        raise UserError("--limit must be at least 1")
     examples = task.load(args.split, args.data, args.seed)[: args.limit]
     if not examples:
         raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
     name = args.model or str(default_sft_dir(args.task))
+    out = Path(args.out) if args.out else (Path(name) if Path(name).is_dir() else Path("runs") / name.replace("/", "--")) \
+        / f"eval-{args.task}-{args.split}.jsonl"
+    make_folder(out.parent, f"--out {out}")
     model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -168,9 +175,6 @@ def run(args: argparse.Namespace) -> int:
 
         res = evaluate(model, tokenizer, task, examples, samples=args.samples, temperature=args.temperature,
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick)
-    out = Path(args.out) if args.out else (Path(name) if Path(name).is_dir() else Path("runs") / name.replace("/", "--")) \
-        / f"eval-{args.task}-{args.split}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
     summary = {k: res[k] for k in ("pass@1", "greedy", "problems", "samples")}
     if args.json:

@@ -19,13 +19,18 @@ from pathlib import Path
 
 import torch
 
+from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.models import context_length, encode_prompt, encode_target, load_model, pick_device, tiny_model
+from vineppo.runs import make_folder
 from vineppo.tasks import get_task
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
 TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
 PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
+# Flag rules, checked before any model or data loads.
+RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT_LEAST_1, max_steps=configs.AT_LEAST_1,
+             warmup=(lambda v: 0 <= v < 1, "must be >= 0 and < 1"), hidden=configs.AT_LEAST_1, layers=configs.AT_LEAST_1)
 
 
 def default_sft_dir(task: str) -> Path:
@@ -97,7 +102,7 @@ def temp_dir(out: Path) -> Path:
     """A fresh temp folder next to `out`, where a run writes until it is complete."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    make_folder(tmp, f"--out {out}")
     return tmp
 
 
@@ -118,9 +123,14 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
             bf16: bool | None = None, arch: str = "llama", hidden: int | None = None, layers: int | None = None,
             grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True) -> Path:
     """Fine-tune `model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
+    configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
+                             hidden=hidden, layers=layers), RULES)
     task = get_task(task_name)
     out = Path(out) if out is not None else default_sft_dir(task_name)
     dev = pick_device(device)
+    examples = task.load("train", data, seed)  # read first: a bad file fails before a model loads
+    if not examples:
+        raise UserError(f"task {task_name!r}: the training set is empty")
     torch.manual_seed(seed)
     if model == "tiny":
         net, tokenizer = tiny_model(task, seed=seed, arch=arch, data=data, hidden=hidden, layers=layers)
@@ -131,13 +141,8 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
         defaults = PRETRAINED_DEFAULTS
     hp = {k: v if v is not None else defaults[k] for k, v in
           dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
-    if hp["batch_size"] < 1 or hp["lr"] <= 0 or hp["epochs"] <= 0:
-        raise UserError("--batch-size, --lr and --epochs must be positive")
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if bf16 is None else bf16
 
-    examples = task.load("train", data, seed)
-    if not examples:
-        raise UserError(f"task {task_name!r}: the training set is empty")
     items = tokenize_examples(tokenizer, task, examples, context_length(net))
     if not items:
         raise UserError(f"task {task_name!r}: every training example is longer than the model's context")

@@ -9,21 +9,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
-import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from vineppo import config as configs
 from vineppo import distributed as dist
+from vineppo import runs
 from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator
 from vineppo.engine import Engine, SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
+from vineppo.models import context_length
 from vineppo.ppo import Critic, UpdateConfig, mean_std, ppo_update, whiten
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
@@ -34,18 +35,32 @@ DEFAULT_PRESET = "arith-tiny"
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     """Run (or resume) RL training as configured; returns the run summary."""
+    cfg = configs.validate(cfg)  # callers of this function may build a TrainConfig by hand
     device = dist.init(cfg.device)
+    out = Path(resume) if resume else _run_dir(cfg)
+    with runs.locked(out, create=not resume, enabled=dist.is_main()):  # one run per folder, for its whole life
+        return _train(cfg, out, resume is not None, device)
+
+
+def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> dict:
+    """The run, its folder locked: folder and data checks before any model loads, then models, then the loop."""
     main = dist.is_main()
     task = get_task(cfg.task)
-    out = Path(resume) if resume else _run_dir(cfg)
     estimator = get_estimator(cfg.estimator)
+    found = runs.resume_point(out, cfg.iterations) if resume else []
+    if main and not resume:
+        runs.start_fresh(out)
+    train_set, test_set = _load_data(cfg, task)
 
     # Models: the policy, its frozen SFT reference, and the critic when the estimator uses one.
-    model_dir = _sft_model(cfg) if main else None
+    model_dir = _sft_model(cfg, train_missing=not resume) if main else None
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
+    if main and resume:
+        runs.check_start_model(out, model_dir)
     from vineppo.models import encode_prompt, load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
+    _check_lengths(cfg, task, tokenizer, policy, train_set, test_set)
     reference, _ = load_model(model_dir, device=str(device), verbose=False)
     reference.requires_grad_(False)
     critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
@@ -56,18 +71,15 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
                               cfg.grad_clip, cfg.value_clip)
 
-    train_set = task.load("train", cfg.data, cfg.data_seed)
-    test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems] if cfg.eval_problems else []
-    if not train_set:
-        raise UserError(f"task {cfg.task}: the training set is empty")
-
     state = {"iteration": 0, "wall_clock_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
              "final_test_pass@1": None}
     if resume:
-        state = _load_checkpoint(out, policy, optimizer, critic, critic_opt, device)
-    elif main:
-        out.mkdir(parents=True, exist_ok=True)
-        configs.save(cfg, out / "config.yaml")
+        state = runs.load_checkpoint(found, policy, optimizer, critic, critic_opt, device)
+    if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
+        with _disk_errors(out):
+            configs.save(cfg, out / "config.yaml")
+            if not resume:
+                runs.record_start_model(out, model_dir)
     dist.barrier()
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state["iteration"] if resume else None, enabled=main)
@@ -117,7 +129,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         if totals[1] == totals[0]:
             raise UserError(f"iteration {it + 1}: all {int(totals[0])} responses hit max_new_tokens="
                             f"{cfg.max_new_tokens} (reward 0, nothing to learn); raise --max-new-tokens or check the "
-                            f"model. Last good checkpoint: {_latest(out) or 'none yet'}")
+                            f"model. Last good checkpoint: {runs.latest(out) or 'none yet'}")
         metrics.update({"train/reward": totals[2] / totals[0], "train/truncated": totals[1] / totals[0],
                         "train/response_tokens": totals[3] / totals[0], "episodes": totals[0]})
         t1 = time.perf_counter()
@@ -148,7 +160,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
                                     for j, ep in enumerate(episodes)])
         except FloatingPointError as e:
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
-                            f"checkpoint: {_latest(out) or 'none yet'}") from None
+                            f"checkpoint: {runs.latest(out) or 'none yet'}") from None
         policy.eval()
         stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
         tok = max(stats["tokens"], 1.0)
@@ -173,7 +185,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
-            _save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
+            runs.save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                             if "test/pass@1" in metrics else "")
         bar.update(job, advance=1, status=status)
@@ -185,7 +197,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
     summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"]})
     if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with _disk_errors(out):
+            runs.write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(out)
     return summary
 
@@ -206,78 +219,68 @@ def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
     return {k: v if k.startswith("mc/") else v / dist.world() for k, v in zip(keys, summed)}
 
 
-def _sft_model(cfg: TrainConfig) -> Path | str:
-    """The starting model: the given one, or the task's default tiny SFT model (trained once, then cached)."""
+def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Example]]:
+    """The training set and the evaluated problems, read before any model loads (a bad file fails at once)."""
+    train_set = task.load("train", cfg.data, cfg.data_seed)
+    if not train_set:
+        raise UserError(f"task {cfg.task}: the training set is empty")
+    if not cfg.eval_problems:
+        return train_set, []
+    try:
+        test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)
+    except UserError as e:  # the loaders name --data, the file flag of the other commands; here it is --eval-data
+        raise UserError(str(e).replace("--data", "--eval-data")) from None
+    return train_set, test_set[: cfg.eval_problems]
+
+
+def _check_lengths(cfg: TrainConfig, task: Task, tokenizer, model, train_set: list[Example],
+                   test_set: list[Example]) -> None:
+    """Refuse, before any work, a prompt that with --max-new-tokens does not fit the model's context or one engine row."""
+    ctx = context_length(model)
+    for split, examples in (("training", train_set), (cfg.eval_split, test_set)):
+        if not examples:
+            continue
+        lengths = [len(ids) for ids in tokenizer([task.prompt(ex) for ex in examples])["input_ids"]]
+        n = max(lengths)
+        ex = examples[lengths.index(n)]
+        where = f"{split} problem {ex.id!r}: its prompt is {n} tokens"
+        if n >= ctx:
+            raise UserError(f"{where}; the model's context is {ctx} (leave out the long problems)")
+        if n + cfg.max_new_tokens > ctx:
+            raise UserError(f"{where}, and with --max-new-tokens {cfg.max_new_tokens} it exceeds the model's context "
+                            f"({ctx}); lower --max-new-tokens to {ctx - n} or leave out the long problems")
+        if n + cfg.max_new_tokens > cfg.token_budget:
+            raise UserError(f"--token-budget {cfg.token_budget} is smaller than one row: {where}, plus "
+                            f"--max-new-tokens {cfg.max_new_tokens}")
+
+
+@contextmanager
+def _disk_errors(out: Path):
+    """A failed write of config, record or summary as one line: what failed and that the checkpoints are intact."""
+    try:
+        yield
+    except UserError as e:
+        kept = runs.latest(out)
+        raise UserError(f"{e}; nothing was lost: " + (f"the checkpoints in {kept.parent} are intact" if kept else
+                                                       "no training had been done yet")) from None
+    except OSError as e:
+        raise UserError(f"cannot write in {out}: {runs.reason(e)}") from None
+
+
+def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:
+    """The starting model: the given one, or the task's default tiny SFT model (trained once if missing, then cached)."""
     if cfg.model != "auto":
         return cfg.model
-    from vineppo.sft import ensure_sft_model
+    from vineppo.sft import default_sft_dir, ensure_sft_model
 
-    return ensure_sft_model(cfg.task)
+    return ensure_sft_model(cfg.task) if train_missing else default_sft_dir(cfg.task)
 
 
 def _run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
-        out = Path(cfg.out)
-        if (out / "config.yaml").exists():
-            raise UserError(f"--out {out} already holds a run; use --resume {out} to continue it, or another --out")
-        return out
+        return Path(cfg.out)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.algo}-{cfg.task}-{stamp}"
-
-
-# Checkpoints: runs/X/checkpoints/iter-000010/{model files, optimizer.pt, critic.pt, state.json}. A checkpoint
-# is written to a temporary folder and renamed into place, and `latest` is replaced atomically after that,
-# so a crash mid-write never leaves a broken latest checkpoint.
-
-def _latest(out: Path) -> Path | None:
-    pointer = out / "checkpoints" / "latest"
-    return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
-
-
-def _save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt, state: dict, keep: int) -> None:
-    if not dist.is_main():
-        dist.barrier()
-        return
-    root = out / "checkpoints"
-    name = f"iter-{state['iteration']:06d}"
-    tmp = root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    policy.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    if critic is not None:
-        torch.save({"critic": critic.state_dict(), "optimizer": critic_opt.state_dict()}, tmp / "critic.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    shutil.rmtree(root / name, ignore_errors=True)
-    os.replace(tmp, root / name)
-    pointer_tmp = root / ".latest.tmp"
-    pointer_tmp.write_text(name + "\n")
-    os.replace(pointer_tmp, root / "latest")
-    for old in sorted(p for p in root.glob("iter-*") if p.is_dir())[:-max(keep, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-
-
-def _load_checkpoint(out: Path, policy, optimizer, critic, critic_opt, device) -> dict:
-    from safetensors.torch import load_file
-
-    ckpt = _latest(out)
-    if ckpt is None or not ckpt.is_dir():
-        raise UserError(f"--resume {out}: no checkpoint found (expected {out / 'checkpoints' / 'latest'})")
-    weights = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        weights.update(load_file(f, device=str(device)))
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
-    if unexpected or any(not k.endswith("lm_head.weight") for k in missing):  # tied embeddings are not saved twice
-        raise UserError(f"{ckpt}: checkpoint does not match the model ({len(missing)} missing, {len(unexpected)} extra)")
-    policy.tie_weights()
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device))
-    if critic is not None:
-        saved = torch.load(ckpt / "critic.pt", map_location=device)
-        critic.load_state_dict(saved["critic"])
-        critic_opt.load_state_dict(saved["optimizer"])
-    return json.loads((ckpt / "state.json").read_text())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -295,13 +298,13 @@ def run(args: argparse.Namespace) -> int:
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise UserError(f"--resume {args.resume}: no config.yaml there (not a run folder)")
-        cfg = configs.load(saved)
-        if overrides.get("iterations"):
-            cfg.iterations = overrides.pop("iterations")
-        if overrides:
-            raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(overrides)})")
+        extra = [k for k in overrides if k != "iterations"]
+        if extra:
+            raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(extra)})")
+        cfg = configs.load(saved, overrides)
     else:
-        cfg = configs.resolve(configs.load_preset(args.config or DEFAULT_PRESET), overrides)
+        name = args.config or DEFAULT_PRESET
+        cfg = configs.resolve(configs.load_preset(name), overrides, source=name)
     try:
         summary = train(cfg, Path(args.resume) if args.resume else None)
         main = dist.is_main()
