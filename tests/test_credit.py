@@ -119,11 +119,14 @@ def test_value_loss_clips():
     assert value_loss(v, old, ret, torch.tensor([[1.0]]), 0.2, 1).item() == pytest.approx(1.62)
 
 
-def test_pack_aligns_advantages_with_predicted_tokens():
-    b = pack([[1, 2, 3]], [[4, 5]], pad_id=0, advantages=[torch.tensor([0.5, -1.0])])
-    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5]]
-    assert b.mask.tolist() == [[0, 0, 1, 1]]  # logits at positions 2 and 3 predict tokens 4 and 5
-    assert b.advantages.tolist() == [[0, 0, 0.5, -1.0]]
+def test_pack_aligns_responses_and_their_advantages_at_one_column():
+    b = pack([[1, 2, 3], [6]], [[4, 5], [7, 8, 9]], pad_id=0,
+             advantages=[torch.tensor([0.5, -1.0]), torch.tensor([1.0, 2.0, 3.0])])
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 0], [0, 0, 6, 7, 8, 9]]  # prompts left-, responses right-padded
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]  # counted from each row's first token
+    assert b.mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # one column per response token
+    assert b.advantages.tolist() == [[0.5, -1.0, 0], [1.0, 2.0, 3.0]]
+    assert b.scored().tolist() == [2, 3, 4]  # logits at positions 2..4 predict the response columns
 
 
 def test_whiten():

@@ -1,4 +1,5 @@
-"""Data parallelism on CPU with gloo: the same update with 2 processes as with 1, and 2-process runs."""
+"""Data parallelism on CPU with gloo: the same update with 2 processes as with 1 (replicated with DDP, or sharded
+with FSDP2), and 2-process runs that resume on 1."""
 
 import json
 import os
@@ -6,22 +7,41 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 
-from vineppo.ppo import UpdateConfig, ppo_update
+from vineppo import parallel
+from vineppo.ppo import Critic, UpdateConfig, ppo_update
 
 CFG = UpdateConfig(epochs=2, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7, grad_clip=1.0,
                    value_clip=0.2)
 
 
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2)
+
+
 def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2))
+    return LlamaForCausalLM(_config())
+
+
+def _critic():
+    from transformers import LlamaModel
+
+    torch.manual_seed(1)
+    critic = Critic(LlamaModel(_config()), 32)
+    torch.nn.init.normal_(critic.head.weight)  # a critic that has learned something, so its gradients are not tiny
+    return critic
 
 
 def _episodes():
@@ -31,36 +51,49 @@ def _episodes():
     responses = [torch.randint(1, 50, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
                  for _ in range(8)]
     advantages = [torch.randn(len(r), generator=g) for r in responses]
-    return prompts, responses, advantages
+    returns = [torch.rand(len(r), generator=g) for r in responses]
+    values = [torch.rand(len(r), generator=g) for r in responses]
+    return prompts, responses, advantages, returns, values
 
 
-def _update(ids):
-    policy, reference = _model(), _model()
-    prompts, responses, advantages = _episodes()
+def _update(ids, fsdp=False):
+    """Weights of policy and critic after a 2-epoch update on the episodes `ids` (this rank's share)."""
+    cpu = torch.device("cpu")
+    policy, reference, critic = _model(), _model(), _critic()
+    reference = parallel.wrap(reference.requires_grad_(False), cpu, fsdp)
+    policy_t, critic_t = parallel.wrap(policy, cpu, fsdp), parallel.wrap(critic, cpu, fsdp)
+    prompts, responses, advantages, returns, values = _episodes()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
     pick = lambda xs: [xs[i] for i in ids]  # noqa: E731
-    ppo_update(policy, reference, opt, pick(prompts), pick(responses), pick(advantages), CFG, pad_id=0,
-               generator=torch.Generator().manual_seed(3), ids=ids)
-    return {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    ppo_update(policy_t, reference, opt, pick(prompts), pick(responses), pick(advantages), CFG, pad_id=0,
+               generator=torch.Generator().manual_seed(3), critic=critic_t, critic_optimizer=critic_opt,
+               returns=pick(returns), old_values=pick(values), ids=ids)
+    state = parallel.full_state(policy) if fsdp else policy.state_dict()
+    critic_state = parallel.full_state(critic) if fsdp else critic.state_dict()
+    return {**state, **{f"critic.{k}": v for k, v in critic_state.items()}}
 
 
-def _worker(rank, store, out):
+def _worker(rank, store, out, fsdp):
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    params = _update(list(range(rank, 8, 2)))  # strided shards, as the trainer deals prompts
+    params = _update([0, 2, 4, 6, 7] if rank == 0 else [1, 3, 5], fsdp)  # uneven shares: rank 1 idles some steps
     if rank == 0:
-        torch.save(params, out)
+        torch.save({k: v.detach().clone() for k, v in params.items()}, out)
     tdist.destroy_process_group()
 
 
-def test_update_with_two_processes_equals_one(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_update_with_two_processes_equals_one(tmp_path, fsdp):
     single = _update(list(range(8)))
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "params.pt")), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "params.pt"), fsdp), nprocs=2, join=True)
     double = torch.load(tmp_path / "params.pt")
-    start = _model().state_dict()
-    assert any(not torch.equal(start[k], single[k]) for k in single)  # the update did move the weights
+    start = {**_model().state_dict(), **{f"critic.{k}": v for k, v in _critic().state_dict().items()}}
+    assert any(not torch.equal(start[k], single[k]) for k in single if not k.startswith("critic."))
+    assert any(not torch.equal(start[k], single[k]) for k in single if k.startswith("critic."))
+    assert single.keys() == double.keys()
     for k in single:
         assert torch.allclose(single[k], double[k], atol=1e-5), k
 
@@ -76,10 +109,11 @@ SMALL = ["--prompts-per-iter=4", "--samples-per-prompt=4", "--max-new-tokens=64"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def test_two_process_run_counts_every_episode_and_state_once(tiny_sft, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_process_run_counts_every_episode_and_state_once(tiny_sft, tmp_path, fsdp):
     out = tmp_path / "run"
-    subprocess.run(_torchrun(2, "--model", str(tiny_sft), "--iterations=2", "--out", str(out), *SMALL), check=True,
-                   env=ENV, capture_output=True, timeout=600)
+    subprocess.run(_torchrun(2, "--model", str(tiny_sft), "--iterations=2", "--out", str(out), f"--fsdp={fsdp}",
+                             *SMALL), check=True, env=ENV, capture_output=True, timeout=600)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
@@ -88,18 +122,35 @@ def test_two_process_run_counts_every_episode_and_state_once(tiny_sft, tmp_path)
         assert r["mc/continuations"] == 2 * r["mc/states"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 2 and 0.0 <= summary["final_test_pass@1"] <= 1.0
+    ckpt = out / "checkpoints" / "iter-000002"
+    assert (ckpt / "optimizer").is_dir() != (ckpt / "optimizer.pt").exists() == (not fsdp)  # shards under --fsdp
+    model = AutoModelForCausalLM.from_pretrained(ckpt)  # the gathered weights: a plain transformers folder
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_sft).parameters())
 
 
-def test_killed_two_process_run_resumes_on_one(tiny_sft, tmp_path):
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants: torchrun starts each worker in a session of its own, so killing
+    torchrun's process group leaves the workers running (and holding the run folder's lock)."""
+    os.kill(pid, signal.SIGSTOP)  # no new children while we look
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for kid in [int(c) for c in children.read_text().split()] if children.exists() else []:
+        _kill_tree(kid)
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("flags", [[], ["--fsdp=true", "--algo=ppo"]], ids=["ddp", "fsdp-ppo"])
+def test_killed_two_process_run_resumes_on_one(tiny_sft, tmp_path, flags):
     out = tmp_path / "run"
     proc = subprocess.Popen(_torchrun(2, "--model", str(tiny_sft), "--iterations=3", "--out", str(out),
-                                      "--eval-problems=0", *SMALL[:-5], "--save-every=1", "--tensorboard=false"),
+                                      "--eval-problems=0", *SMALL[:-5], "--save-every=1", "--tensorboard=false",
+                                      *flags),
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and not latest.exists():
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    _kill_tree(proc.pid)
     proc.wait()
     assert latest.read_text().strip() < "iter-000003", "the run finished before it could be killed"
     subprocess.run([sys.executable, "-m", "vineppo", "train", "--resume", str(out)], check=True, env=ENV,

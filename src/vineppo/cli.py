@@ -16,6 +16,7 @@ COMMANDS = {
     "train": ("vineppo.train", "RL training: VinePPO, PPO, GRPO or RLOO"),
     "analyze-values": ("vineppo.analysis", "accuracy of value estimates against Monte Carlo ground truth"),
     "compare": ("vineppo.compare", "train several algorithms over several seeds and report"),
+    "export": ("vineppo.export", "a run's checkpoint as a plain transformers model folder (LoRA adapters merged)"),
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -76,6 +77,12 @@ class TrainConfig:
     save_every: int = 10  # iterations between checkpoints (always one at the end)
     keep_checkpoints: int = 2  # checkpoints kept on disk
     token_budget: int = 65536  # engine: max rows x tokens in one decode batch
+    fsdp: bool = False  # under torchrun, shard policy, reference and critic over the ranks (FSDP2, per decoder layer)
+    dtype: str = "float32"  # float32 | bfloat16: bf16 autocast; trained weights and AdamW state stay float32, frozen ones (the reference, LoRA's base) are held in bf16
+    gradient_checkpointing: bool = False  # recompute the policy's and critic's activations in the backward pass
+    lora_r: int = 0  # LoRA rank (0: train every weight); the KL reference is then the model with its adapters off
+    lora_alpha: float = 32.0  # LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r
+    lora_targets: str = "all-linear"  # modules given adapters: comma-separated names (q_proj,v_proj) or all-linear
     tensorboard: bool = True  # write TensorBoard event files
     wandb: str | None = None  # Weights & Biases project name (None: off)
 
@@ -100,8 +107,11 @@ RULES: dict[str, Rule] = {
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
     "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
-    "token_budget": AT_LEAST_1,
+    "token_budget": AT_LEAST_1, "dtype": (lambda v: v in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+    "lora_r": AT_LEAST_0, "lora_alpha": POSITIVE, "lora_targets": (lambda v: v.strip(",  ") != "", "must name modules"),
 }
+
+NEEDS_PEFT = "needs peft (pip install 'vineppo[lora]')"
 
 # Rules over several fields: (the field an error names, test, what must hold).
 COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
@@ -109,7 +119,15 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
      lambda c: f"{c.algo} compares the responses to one prompt and needs at least 2 (with 1 every advantage is 0)"),
     ("token_budget", lambda c: c.token_budget > c.max_new_tokens,
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
+    ("lora_r", lambda c: not c.lora_r or peft_installed(), lambda c: NEEDS_PEFT),
+    ("lora_r", lambda c: not (c.lora_r and c.fsdp),
+     lambda c: "LoRA with --fsdp is not supported (LoRA needs no sharding up to 7B, see README); drop one of them"),
 ]
+
+
+def peft_installed() -> bool:
+    """True when peft, the optional dependency of --lora-r, can be imported."""
+    return importlib.util.find_spec("peft") is not None
 
 
 def validate(cfg: TrainConfig | dict, origin: dict[str, str] | None = None) -> TrainConfig:

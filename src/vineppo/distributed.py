@@ -61,22 +61,6 @@ def all_sum(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
-def sum_gradients(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over all ranks, in one flat all-reduce."""
-    if not active():
-        return
-    for p in model.parameters():  # a rank with no episode in this minibatch still takes part
-        if p.grad is None and p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    tdist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def all_gather_objects(obj: object) -> list:
     """Every rank's `obj`, in rank order (a one-element list without torchrun)."""
     if not active():

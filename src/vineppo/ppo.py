@@ -10,45 +10,64 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vineppo import distributed as dist
+from vineppo import parallel
 
 
 @dataclass
 class Batch:
-    """Episodes packed right-padded; per-token tensors are aligned with the predicted tokens (length L-1)."""
+    """Episodes packed so that every response starts at one column P (the longest prompt): prompts left-padded,
+    responses right-padded. Per-token tensors cover the R response columns only: column t is response token t,
+    predicted by the logits at position P - 1 + t, so the model is scored on those positions alone."""
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    mask: torch.Tensor  # [B, L-1] 1 on response tokens
-    advantages: torch.Tensor  # [B, L-1]
-    returns: torch.Tensor  # [B, L-1] (zeros without a critic)
+    input_ids: torch.Tensor  # [B, P+R]
+    attention_mask: torch.Tensor  # [B, P+R]
+    position_ids: torch.Tensor  # [B, P+R] positions counted from each row's first real token
+    mask: torch.Tensor  # [B, R] 1 on response tokens
+    advantages: torch.Tensor  # [B, R]
+    returns: torch.Tensor  # [B, R] (zeros without a critic)
+
+    def scored(self) -> torch.Tensor:
+        """The positions whose outputs predict the response columns: P-1 .. P+R-2."""
+        R, L = self.mask.shape[1], self.input_ids.shape[1]
+        return torch.arange(L - R - 1, L - 1, device=self.input_ids.device)
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
          advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None) -> Batch:
-    """Right-pad prompt+response sequences and place per-response-token values at their target positions."""
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    B, L = len(prompts), max(lengths)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    mask, adv, ret = (torch.zeros((B, L - 1)) for _ in range(3))
+    """Pack prompt+response sequences, responses aligned at one column, per-response-token values placed on them.
+
+    No episodes give one masked-out row: a rank with nothing to do in a micro-batch still runs the forward
+    and backward passes that sharded (FSDP) and replicated (DDP) models need every rank to take part in."""
+    if not prompts:
+        empty = pack([[pad_id]], [[pad_id]], pad_id)
+        empty.mask.zero_()
+        return empty
+    B, P, R = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    mask, adv, ret = (torch.zeros((B, R)) for _ in range(3))
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : lengths[i]] = torch.tensor(p + r)
-        attn[i, : lengths[i]] = 1
-        span = slice(len(p) - 1, len(p) - 1 + len(r))  # logits at t predict token t+1
-        mask[i, span] = 1
+        ids[i, P - len(p): P + len(r)] = torch.tensor(p + r)
+        attn[i, P - len(p): P + len(r)] = 1
+        mask[i, : len(r)] = 1
         if advantages is not None:
-            adv[i, span] = advantages[i]
+            adv[i, : len(r)] = advantages[i]
         if returns is not None:
-            ret[i, span] = returns[i]
-    return Batch(ids, attn, mask, adv, ret)
+            ret[i, : len(r)] = returns[i]
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    return Batch(ids, attn, positions, mask, adv, ret)
 
 
 def token_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each next token under softmax(logits / T), and the entropy of that distribution."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    """Log-probs of each response token under softmax(logits / T), and the entropy of that distribution: [B, R].
+
+    The LM head runs only on the scored positions (`logits_to_keep`): with a 50k vocabulary, logits for the
+    prompt would be the largest tensor of the update."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                logits_to_keep=batch.scored())
+    logp_all = F.log_softmax(out.logits.float() / temperature, dim=-1)
+    targets = batch.input_ids[:, -batch.mask.shape[1]:]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
@@ -93,9 +112,10 @@ class Critic(nn.Module):
         return cls(body, body.config.hidden_size).to(device)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """V(prefix) for every target position: [B, L-1]."""
-        hidden = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        return self.head(hidden[:, :-1].float()).squeeze(-1)
+        """V(prefix) before every response token: [B, R]."""
+        hidden = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids).last_hidden_state
+        return self.head(hidden[:, batch.scored()].float()).squeeze(-1)
 
     @torch.no_grad()
     def values(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,
@@ -111,8 +131,8 @@ class Critic(nn.Module):
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
-    return Batch(*(t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.mask, batch.advantages,
-                                          batch.returns)))
+    return Batch(*(t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.mask,
+                                          batch.advantages, batch.returns)))
 
 
 def mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
@@ -141,6 +161,7 @@ class UpdateConfig:
     temperature: float
     grad_clip: float
     value_clip: float
+    dtype: str = "float32"  # float32 | bfloat16 (autocast; see vineppo.parallel)
 
 
 def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
@@ -152,15 +173,14 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
 
     `ids` are the episodes' global indices 0..N-1 over all ranks (default: this rank holds them all). Each
     minibatch is a slice of one permutation of the global ids, every rank working on its own members; the
-    loss is divided by the minibatch's token count over all ranks and gradients are summed across ranks, so
-    N processes take the same step as one.
+    loss is divided by the minibatch's token count over all ranks and gradients are summed across ranks
+    (models wrapped by `parallel.wrap`), so N processes take the same step as one.
     """
     device = next(policy.parameters()).device
     n = len(prompts)
-    micro = _micro_batches(list(range(n)), cfg.micro_batch)
     old_logp, ref_logp = {}, {}
-    with torch.no_grad():  # log-probs before the update, and under the frozen reference
-        for idx in micro:
+    with torch.no_grad(), parallel.autocast(device, cfg.dtype):  # log-probs before the update, and under the reference
+        for idx in _aligned(_micro_batches(list(range(n)), cfg.micro_batch)):
             b = _to(pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id), device)
             old, _ = token_logprobs(policy, b, cfg.temperature)
             ref, _ = token_logprobs(reference, b, cfg.temperature)
@@ -180,39 +200,49 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
             optimizer.zero_grad(set_to_none=True)
             if critic_optimizer is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-            for idx in _micro_batches(mb, cfg.micro_batch):
+            micro = _aligned(_micro_batches(mb, cfg.micro_batch))
+            for k, idx in enumerate(micro):
                 b = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id,
                          [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None)
                 b = _to(b, device)
                 old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
                 ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
-                logp, entropy = token_logprobs(policy, b, cfg.temperature)
-                loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
-                loss.backward()
+                sync = k == len(micro) - 1  # DDP all-reduces on the minibatch's last backward only
+                with parallel.no_sync(policy, sync):
+                    with parallel.autocast(device, cfg.dtype):
+                        logp, entropy = token_logprobs(policy, b, cfg.temperature)
+                    loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
+                    loss.backward()
                 totals["loss"] += float(loss.detach()) * n_tok
                 totals["kl"] += stats["kl"]
                 totals["clipped"] += stats["clipped"]
                 totals["entropy"] += float((entropy.detach() * b.mask).sum())
                 totals["tokens"] += float(b.mask.sum())
                 if critic is not None:
-                    v = critic(b)
-                    ov = _pad_values([old_values[i] for i in idx], b.mask, device)
-                    vl = value_loss(v, ov, b.returns, b.mask, cfg.value_clip, n_tok)
-                    vl.backward()
+                    with parallel.no_sync(critic, sync):
+                        with parallel.autocast(device, cfg.dtype):
+                            v = critic(b)
+                        ov = _pad_values([old_values[i] for i in idx], b.mask, device)
+                        vl = value_loss(v.float(), ov, b.returns, b.mask, cfg.value_clip, n_tok)
+                        vl.backward()
                     totals["value_loss"] += float(vl.detach()) * n_tok
-            dist.sum_gradients(policy)  # each rank's loss is already divided by the global token count
-            norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+            norm = parallel.clip_grad_norm(policy, cfg.grad_clip)
             if not math.isfinite(norm):  # a NaN/inf loss shows here, identically on every rank
                 raise FloatingPointError(f"the loss or its gradient is not finite (grad norm {norm}); "
                                          "the optimiser step was skipped")
             totals["grad_norm"] += norm
             optimizer.step()
             if critic is not None:
-                dist.sum_gradients(critic)
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+                parallel.clip_grad_norm(critic, cfg.grad_clip)
                 critic_optimizer.step()
             totals["steps"] += 1
     return totals
+
+
+def _aligned(batches: list[list[int]]) -> list[list[int]]:
+    """Pad with empty micro-batches to the most any rank has: every rank must join every forward and backward."""
+    most = max(dist.all_gather_objects(len(batches)))
+    return batches + [[] for _ in range(most - len(batches))]
 
 
 def _micro_batches(indices: list[int], size: int) -> list[list[int]]:

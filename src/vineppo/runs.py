@@ -5,7 +5,9 @@ A run folder holds config.yaml (the resolved settings, rewritten when `--resume 
 new total), start_model.json (the sha256 of the starting weights), .lock (an advisory lock with the
 holder's PID and host, held for the life of the run), metrics.jsonl, checkpoints/ and summary.json.
 
-Checkpoints: checkpoints/iter-000010/{model files, optimizer.pt, critic.pt, state.json}. A checkpoint is
+Checkpoints: checkpoints/iter-000010/{model files, optimizer.pt, critic.pt, state.json}: the model files
+are a transformers folder (LoRA runs: peft's adapter files), and --fsdp runs keep the optimiser states
+as torch.distributed.checkpoint shards in optimizer/ instead of optimizer.pt. A checkpoint is
 written to a temporary folder and renamed into place, then `latest` is replaced atomically, so a kill
 mid-write never leaves a broken latest checkpoint. A write that fails (disk full, no permission) removes
 the temporary folder and leaves the previous checkpoint as it was. Resume takes the newest checkpoint
@@ -24,14 +26,16 @@ import struct
 import sys
 import zipfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from vineppo import distributed as dist
+from vineppo import lora, parallel
 from vineppo.errors import UserError
 
 try:
@@ -186,7 +190,10 @@ def damage(ckpt: Path) -> str | None:
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
             if size != 8 + n + end:
                 return f"{f.name} is truncated"
-        for f in [ckpt / "optimizer.pt"] + sorted(ckpt.glob("critic.pt")):
+        sharded = ckpt / "optimizer"
+        if sharded.is_dir() and not (sharded / ".metadata").is_file():
+            return "optimizer/ has no .metadata (its write was cut)"
+        for f in ([] if sharded.is_dir() else [ckpt / "optimizer.pt"]) + sorted(ckpt.glob("critic.pt")):
             if not zipfile.is_zipfile(f):  # torch.save writes a zip; a cut one has no central directory
                 return f"{f.name} is missing or truncated"
     except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
@@ -251,23 +258,52 @@ def write_atomic(path: Path, text: str) -> None:
         raise UserError(f"cannot write {path}: {reason(e)}") from None
 
 
-def save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt, state: dict, keep: int) -> None:
-    """Write checkpoint iter-<state['iteration']> atomically (rank 0), point `latest` at it, keep the newest `keep`."""
-    if not dist.is_main():
-        dist.barrier()
-        return
+@dataclass
+class Trained:
+    """What a checkpoint holds besides the run's state: the models being trained and their optimisers."""
+
+    policy: Any  # a transformers model, a LoRA (peft) model, or either sharded by parallel.wrap
+    optimizer: torch.optim.Optimizer
+    critic: Any = None
+    critic_opt: torch.optim.Optimizer | None = None
+    fsdp: bool = False  # optimiser states as torch.distributed.checkpoint shards, readable on any number of ranks
+
+    def optimizers(self) -> dict[str, tuple]:
+        return {"policy": (self.policy, self.optimizer)} | ({"critic": (self.critic, self.critic_opt)}
+                                                             if self.critic is not None else {})
+
+
+def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: int) -> None:
+    """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep`.
+
+    Rank 0 writes; with --fsdp every rank first gathers the whole weights to rank 0 and writes its own
+    optimiser shard."""
+    main, sharded = dist.is_main(), parallel.sharded(trained.policy)
+    weights = parallel.full_state(trained.policy) if sharded else None
+    critic = parallel.full_state(trained.critic) if sharded and trained.critic is not None else None
     root = out / "checkpoints"
     name = f"iter-{state['iteration']:06d}"
     tmp = root / f".{name}.tmp"
     previous = latest(out)
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        policy.save_pretrained(tmp, safe_serialization=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if trained.fsdp:
+            dist.barrier()  # the folder exists
+            parallel.save_sharded(tmp / "optimizer", trained.optimizers())
+        if not main:
+            dist.barrier()
+            return
+        parallel.unwrap(trained.policy).save_pretrained(tmp, safe_serialization=True,
+                                                        **({"state_dict": weights} if sharded else {}))
         tokenizer.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if critic is not None:
-            torch.save({"critic": critic.state_dict(), "optimizer": critic_opt.state_dict()}, tmp / "critic.pt")
+        if not trained.fsdp:
+            torch.save(trained.optimizer.state_dict(), tmp / "optimizer.pt")
+        if trained.critic is not None:
+            saved = {"critic": critic if sharded else parallel.unwrap(trained.critic).state_dict()}
+            torch.save(saved if trained.fsdp else saved | {"optimizer": trained.critic_opt.state_dict()},
+                       tmp / "critic.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         shutil.rmtree(root / name, ignore_errors=True)  # a damaged one a resume fell back from
         os.replace(tmp, root / name)
@@ -275,7 +311,7 @@ def save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt,
         pointer_tmp.write_text(name + "\n")
         os.replace(pointer_tmp, root / "latest")
     except Exception as e:
-        if not _write_failure(e):
+        if not _write_failure(e) or not main:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         kept = f"the previous checkpoint {previous} is intact" if previous else "there was no checkpoint yet"
@@ -286,11 +322,11 @@ def save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt,
     dist.barrier()
 
 
-def load_checkpoint(found: list[Path], policy, optimizer, critic, critic_opt, device) -> dict:
+def load_checkpoint(found: list[Path], trained: Trained, device) -> dict:
     """Load the first of `found` (from `resume_point`) that reads back whole into the models; returns its state."""
     for ckpt in found:
         try:
-            return _load(ckpt, policy, optimizer, critic, critic_opt, device)
+            return _load(ckpt, trained, device)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to read a file means this checkpoint is damaged
@@ -299,17 +335,25 @@ def load_checkpoint(found: list[Path], policy, optimizer, critic, critic_opt, de
                     f"folder to start over")
 
 
-def _load(ckpt: Path, policy, optimizer, critic, critic_opt, device) -> dict:
+def _load(ckpt: Path, trained: Trained, device) -> dict:
+    sharded = parallel.sharded(trained.policy)
     weights = {}
     for f in sorted(ckpt.glob("*.safetensors")):
-        weights.update(load_file(f, device=str(device)))
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
+        weights.update(load_file(f, device="cpu" if sharded else str(device)))
+    if lora.active(trained.policy):
+        missing, unexpected = lora.load_adapters(trained.policy, weights)
+    else:
+        missing, unexpected = parallel.load_full_state(trained.policy, weights)
     if unexpected or any(not k.endswith("lm_head.weight") for k in missing):  # tied embeddings are not saved twice
         raise UserError(f"{ckpt}: checkpoint does not match the model ({len(missing)} missing, {len(unexpected)} extra)")
-    policy.tie_weights()
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device))
-    if critic is not None:
-        saved = torch.load(ckpt / "critic.pt", map_location=device)
-        critic.load_state_dict(saved["critic"])
-        critic_opt.load_state_dict(saved["optimizer"])
+    parallel.unwrap(trained.policy).tie_weights()
+    if (ckpt / "optimizer").is_dir():  # a --fsdp run's shards, on this or any other number of ranks
+        parallel.load_sharded(ckpt / "optimizer", trained.optimizers())
+    else:
+        trained.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device))
+    if trained.critic is not None:
+        saved = torch.load(ckpt / "critic.pt", map_location="cpu" if sharded else device)
+        parallel.load_full_state(trained.critic, saved["critic"])
+        if "optimizer" in saved:
+            trained.critic_opt.load_state_dict(saved["optimizer"])
     return json.loads((ckpt / "state.json").read_text())

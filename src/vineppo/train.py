@@ -18,6 +18,7 @@ import torch
 
 from vineppo import config as configs
 from vineppo import distributed as dist
+from vineppo import lora, parallel
 from vineppo import runs
 from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator
@@ -59,22 +60,33 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         runs.check_start_model(out, model_dir)
     from vineppo.models import encode_prompt, load_model
 
-    policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
+    # Frozen weights (the reference, LoRA's base) are held in bf16 under --dtype bfloat16; trained ones stay float32.
+    frozen = cfg.dtype if cfg.dtype != "float32" else None
+    policy, tokenizer = load_model(model_dir, device=str(device), dtype=frozen if cfg.lora_r else None, verbose=main)
     _check_lengths(cfg, task, tokenizer, policy, train_set, test_set)
-    reference, _ = load_model(model_dir, device=str(device), verbose=False)
-    reference.requires_grad_(False)
+    if cfg.lora_r:
+        torch.manual_seed(cfg.seed)  # the adapters' initialisation
+        policy = lora.add_adapters(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)
+        reference = lora.AdaptersOff(policy)
+    else:
+        reference, _ = load_model(model_dir, device=str(device), dtype=frozen, verbose=False)
+        reference = parallel.wrap(reference.requires_grad_(False), device, cfg.fsdp)
+    trainee = parallel.wrap(policy, device, cfg.fsdp, cfg.gradient_checkpointing)  # shards `policy` in place
     critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    critic_trainee = parallel.wrap(critic, device, cfg.fsdp, cfg.gradient_checkpointing) if critic else None
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
+    trained = runs.Trained(policy, optimizer, critic, critic_opt, fsdp=cfg.fsdp)
     engine = Engine(policy, tokenizer, token_budget=cfg.token_budget)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
-                              cfg.grad_clip, cfg.value_clip)
+                              cfg.grad_clip, cfg.value_clip, cfg.dtype)
 
     state = {"iteration": 0, "wall_clock_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
              "final_test_pass@1": None}
     if resume:
-        state = runs.load_checkpoint(found, policy, optimizer, critic, critic_opt, device)
+        state = runs.load_checkpoint(found, trained, device)
     if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
         with _disk_errors(out):
             configs.save(cfg, out / "config.yaml")
@@ -84,13 +96,17 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state["iteration"] if resume else None, enabled=main)
 
+    def sampling():  # the engine samples from whole weights (sharded models gathered), in the run's dtype
+        return parallel.sampling(device, cfg.dtype, policy, critic)
+
     def evaluate_now(iteration: int) -> float:
         from vineppo.evaluate import evaluate
 
         mine = test_set[dist.rank()::dist.world()]
-        result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
-                          top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                          token_budget=cfg.token_budget)
+        with sampling():
+            result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
+                              top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
+                              token_budget=cfg.token_budget)
         total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
         return total / max(n, 1)
 
@@ -118,7 +134,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
         prompt_ids = [encode_prompt(tokenizer, task.prompt(ex)) for _, ex in mine]
-        outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
+        with sampling():
+            outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
 
         # 2. Grade and cut into steps.
         episodes = [_episode(task, tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
@@ -140,7 +157,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         ctx = CreditContext(engine=mc_engine, tokenizer=tokenizer, grade=task.grade, critic=critic, params=params,
                             generator=gen, mc_k=cfg.mc_k, mc_max_states=cfg.mc_max_states, gamma=cfg.gamma,
                             lam=cfg.gae_lambda)
-        credit = estimator(episodes, ctx)
+        with sampling():
+            credit = estimator(episodes, ctx)
         adv_mean, adv_std = mean_std(credit.advantages)
         metrics.update({"advantage/mean": adv_mean, "advantage/std": adv_std})
         metrics.update(_reduce_stats(credit.stats))
@@ -152,16 +170,20 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         # 4. PPO update (the same code for every algorithm).
         bar.update(job, status="updating")
         policy.train()
+        if critic is not None:
+            critic.train()  # gradient checkpointing acts in training mode only
         try:
-            stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
+            stats = ppo_update(trainee, reference, optimizer, [ep.prompt_ids for ep in episodes],
                                [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
-                               order_gen, critic, critic_opt, credit.returns, credit.values,
+                               order_gen, critic_trainee, critic_opt, credit.returns, credit.values,
                                ids=[ep.group * cfg.samples_per_prompt + j % cfg.samples_per_prompt
                                     for j, ep in enumerate(episodes)])
         except FloatingPointError as e:
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                             f"checkpoint: {runs.latest(out) or 'none yet'}") from None
         policy.eval()
+        if critic is not None:
+            critic.eval()
         stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
         tok = max(stats["tokens"], 1.0)
         metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
@@ -185,7 +207,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
-            runs.save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
+            runs.save_checkpoint(out, trained, tokenizer, state, cfg.keep_checkpoints)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                             if "test/pass@1" in metrics else "")
         bar.update(job, advance=1, status=status)
