@@ -78,7 +78,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept on disk
     token_budget: int = 65536  # engine: max rows x tokens in one decode batch
     fsdp: bool = False  # under torchrun, shard policy, reference and critic over the ranks (FSDP2, per decoder layer)
-    dtype: str = "float32"  # float32 | bfloat16: bf16 autocast; trained weights and AdamW state stay float32, frozen ones (the reference, LoRA's base) are held in bf16
+    dtype: str = "float32"  # float32 | bfloat16: bf16 autocast; trained weights and AdamW state stay float32
+    # (frozen weights, the reference and LoRA's base, are held in bf16)
     gradient_checkpointing: bool = False  # recompute the policy's and critic's activations in the backward pass
     lora_r: int = 0  # LoRA rank (0: train every weight); the KL reference is then the model with its adapters off
     lora_alpha: float = 32.0  # LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r

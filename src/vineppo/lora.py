@@ -17,13 +17,13 @@ from vineppo.config import NEEDS_PEFT, peft_installed
 from vineppo.errors import UserError
 
 def active(model: nn.Module | None) -> bool:
-    """True for a model with LoRA adapters (peft imported and the model, or the one DDP wraps, a PeftModel)."""
+    """True for a model with LoRA adapters (peft imported, and the model or the one DDP wraps a PeftModel)."""
     peft = sys.modules.get("peft")
     return peft is not None and model is not None and isinstance(parallel.unwrap(model), peft.PeftModel)
 
 
 def add_adapters(model: nn.Module, r: int, alpha: float, targets: str) -> nn.Module:
-    """`model` with fresh rank-r adapters on the `targets` modules (comma-separated names, or all-linear); base frozen."""
+    """`model` with fresh rank-r adapters on `targets` (comma-separated module names, or all-linear); base frozen."""
     if not peft_installed():
         raise UserError(f"--lora-r: {NEEDS_PEFT}")
     from peft import LoraConfig, get_peft_model  # optional dependency

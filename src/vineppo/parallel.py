@@ -34,7 +34,7 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype: the autocast 
 def wrap(model: nn.Module, device: torch.device, fsdp: bool, checkpointing: bool = False) -> nn.Module:
     """The module to run the update through: `model` sharded (FSDP2, in place), replicated (DDP) or as it is."""
     if checkpointing:
-        _pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpoint_activations(_pretrained(model))
     if not dist.active():
         return model
     if fsdp:
@@ -48,14 +48,22 @@ def wrap(model: nn.Module, device: torch.device, fsdp: bool, checkpointing: bool
         fully_shard(model, mesh=mesh)
         for m in model.modules():
             if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(1.0)  # sum, do not average,
-                m.set_force_sum_reduction_for_comms(True)  # with a plain SUM (gloo has no PREMUL_SUM)
+                m.set_gradient_divide_factor(1.0)  # sum the gradients, do not average them
+                m.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
         return model
     if not any(p.requires_grad for p in model.parameters()):
         return model  # a frozen replica needs no gradient synchronisation
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
     ddp.register_comm_hook(None, _sum_hook)
     return ddp
+
+
+def _checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (transformers' own switch, both spellings)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _sum_hook(group, bucket):  # unannotated: DDP refuses the string annotations of `from __future__ import annotations`

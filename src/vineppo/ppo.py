@@ -115,7 +115,7 @@ class Critic(nn.Module):
         """V(prefix) before every response token: [B, R]."""
         hidden = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                            position_ids=batch.position_ids).last_hidden_state
-        return self.head(hidden[:, batch.scored()].float()).squeeze(-1)
+        return self.head(hidden[:, batch.scored()].float()).squeeze(-1).float()  # float32 under autocast too
 
     @torch.no_grad()
     def values(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,
@@ -223,7 +223,7 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
                         with parallel.autocast(device, cfg.dtype):
                             v = critic(b)
                         ov = _pad_values([old_values[i] for i in idx], b.mask, device)
-                        vl = value_loss(v.float(), ov, b.returns, b.mask, cfg.value_clip, n_tok)
+                        vl = value_loss(v, ov, b.returns, b.mask, cfg.value_clip, n_tok)
                         vl.backward()
                     totals["value_loss"] += float(vl.detach()) * n_tok
             norm = parallel.clip_grad_norm(policy, cfg.grad_clip)

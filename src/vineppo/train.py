@@ -12,7 +12,9 @@ import json
 import random
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,24 +62,10 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         runs.check_start_model(out, model_dir)
     from vineppo.models import encode_prompt, load_model
 
-    # Frozen weights (the reference, LoRA's base) are held in bf16 under --dtype bfloat16; trained ones stay float32.
-    frozen = cfg.dtype if cfg.dtype != "float32" else None
-    policy, tokenizer = load_model(model_dir, device=str(device), dtype=frozen if cfg.lora_r else None, verbose=main)
+    policy, tokenizer = load_model(model_dir, device=str(device), dtype=policy_dtype(cfg), verbose=main)
     _check_lengths(cfg, task, tokenizer, policy, train_set, test_set)
-    if cfg.lora_r:
-        torch.manual_seed(cfg.seed)  # the adapters' initialisation
-        policy = lora.add_adapters(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)
-        reference = lora.AdaptersOff(policy)
-    else:
-        reference, _ = load_model(model_dir, device=str(device), dtype=frozen, verbose=False)
-        reference = parallel.wrap(reference.requires_grad_(False), device, cfg.fsdp)
-    trainee = parallel.wrap(policy, device, cfg.fsdp, cfg.gradient_checkpointing)  # shards `policy` in place
-    critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
-    critic_trainee = parallel.wrap(critic, device, cfg.fsdp, cfg.gradient_checkpointing) if critic else None
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
-    trained = runs.Trained(policy, optimizer, critic, critic_opt, fsdp=cfg.fsdp)
+    models = build_models(cfg, policy, model_dir, device)
+    trained, policy, critic = models.trained, models.trained.policy, models.trained.critic
     engine = Engine(policy, tokenizer, token_budget=cfg.token_budget)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
@@ -173,9 +161,10 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         if critic is not None:
             critic.train()  # gradient checkpointing acts in training mode only
         try:
-            stats = ppo_update(trainee, reference, optimizer, [ep.prompt_ids for ep in episodes],
-                               [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
-                               order_gen, critic_trainee, critic_opt, credit.returns, credit.values,
+            stats = ppo_update(models.trainee, models.reference, trained.optimizer,
+                               [ep.prompt_ids for ep in episodes], [ep.response_ids for ep in episodes], advantages,
+                               update_cfg, tokenizer.pad_token_id, order_gen, models.critic_trainee, trained.critic_opt,
+                               credit.returns, credit.values,
                                ids=[ep.group * cfg.samples_per_prompt + j % cfg.samples_per_prompt
                                     for j, ep in enumerate(episodes)])
         except FloatingPointError as e:
@@ -223,6 +212,41 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             runs.write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(out)
     return summary
+
+
+@dataclass
+class Models:
+    """A run's models: what checkpoints hold, the modules the update trains through, and the KL reference."""
+
+    trained: runs.Trained  # policy (as the engine samples from it), critic, their optimisers
+    trainee: torch.nn.Module  # the policy as the update runs it (a DDP wrapper, or the policy itself)
+    critic_trainee: torch.nn.Module | None
+    reference: Any  # the frozen SFT model (LoRA: the policy with its adapters off)
+
+
+def policy_dtype(cfg: TrainConfig) -> str | None:
+    """The dtype to load the policy in: LoRA's frozen base may be bf16; weights that train stay float32."""
+    return cfg.dtype if cfg.lora_r and cfg.dtype != "float32" else None
+
+
+def build_models(cfg: TrainConfig, policy: torch.nn.Module, model_dir: str, device: torch.device) -> Models:
+    """Reference, critic, LoRA adapters, sharding or replication, and optimisers around the loaded `policy`."""
+    from vineppo.models import load_model
+
+    if cfg.lora_r:
+        torch.manual_seed(cfg.seed)  # the adapters' initialisation
+        policy = lora.add_adapters(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)
+        reference = lora.AdaptersOff(policy)
+    else:  # frozen weights are held in bf16 under --dtype bfloat16
+        reference, _ = load_model(model_dir, device=str(device), dtype=cfg.dtype, verbose=False)
+        reference = parallel.wrap(reference.requires_grad_(False), device, cfg.fsdp)
+    trainee = parallel.wrap(policy, device, cfg.fsdp, cfg.gradient_checkpointing)  # shards `policy` in place
+    critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
+    critic_trainee = parallel.wrap(critic, device, cfg.fsdp, cfg.gradient_checkpointing) if critic else None
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
+    return Models(runs.Trained(policy, optimizer, critic, critic_opt, cfg.fsdp), trainee, critic_trainee, reference)
 
 
 def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, ex: Example) -> Episode:

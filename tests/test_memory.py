@@ -1,0 +1,169 @@
+"""Memory knobs (issue 14): the LM head on scored positions only, LoRA with the reference as adapters-off, bf16
+autocast and gradient checkpointing. FSDP2 and DDP are tested in test_distributed.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from vineppo import config as configs
+from vineppo import parallel
+from vineppo.ppo import UpdateConfig, pack, ppo_update, token_logprobs
+from vineppo.train import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SMALL = dict(algo="grpo", prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=48, minibatch=8, micro_batch=4,
+             eval_problems=0, save_every=1, tensorboard=False)
+CFG = UpdateConfig(epochs=1, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7, grad_clip=1.0,
+                   value_clip=0.2)
+PROMPTS, RESPONSES = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], [[11, 12], [13, 14, 15, 16, 17], [18]]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def _cfg(model, out, **kw) -> configs.TrainConfig:
+    return configs.resolve(configs.load_preset("arith-tiny"), {**SMALL, "model": str(model), "out": str(out), **kw})
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ the LM head on scored positions only
+
+
+def test_log_probs_are_those_of_each_sequence_alone_and_the_head_sees_only_response_positions():
+    model, seen = _model(), []
+    model.lm_head.register_forward_hook(lambda m, inputs, out: seen.append(inputs[0].shape[1]))
+    b = pack(PROMPTS, RESPONSES, 0)
+    logp, _ = token_logprobs(model, b, 0.7)
+    assert seen == [max(map(len, RESPONSES))]  # not every position of prompt + response
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)] / 0.7
+        want = F.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert torch.allclose(logp[i, :len(r)], want, atol=1e-6)
+
+
+# ------------------------------------------------------------------ gradient checkpointing, bf16
+
+
+def _grads(checkpointing: bool, dtype: str = "float32", calls: list | None = None) -> dict:
+    model = _model()
+    parallel.wrap(model, torch.device("cpu"), fsdp=False, checkpointing=checkpointing)
+    model.model.layers[0].mlp.act_fn.register_forward_hook(lambda *_: calls.append(1) if calls is not None else None)
+    model.train()
+    b = pack(PROMPTS, RESPONSES, 0)
+    with parallel.autocast(torch.device("cpu"), dtype):
+        logp, _ = token_logprobs(model, b, 0.7)
+    (logp * b.mask).sum().backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    once, twice = [], []
+    plain, recomputed = _grads(False, calls=once), _grads(True, calls=twice)
+    assert (len(once), len(twice)) == (1, 2)  # checkpointing did act: the layer ran again in the backward pass
+    assert plain.keys() == recomputed.keys()
+    for k in plain:
+        assert torch.allclose(plain[k], recomputed[k], atol=1e-6), k
+
+
+def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32():
+    full, low = _grads(False), _grads(False, "bfloat16")
+    for k in full:
+        assert low[k].dtype == torch.float32  # master weights' gradients stay float32
+        assert torch.allclose(full[k], low[k], atol=0.05 * full[k].abs().max().item() + 1e-4), k
+    assert any(not torch.equal(full[k], low[k]) for k in full)  # the forward did run in bf16
+
+
+def test_bf16_run_with_gradient_checkpointing_completes_with_finite_losses(tiny_sft, tmp_path):
+    train(_cfg(tiny_sft, tmp_path / "run", iterations=2, dtype="bfloat16", gradient_checkpointing=True,
+               algo="ppo"))
+    rows = _rows(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("loss", "kl", "grad_norm", "value_loss"):
+            assert torch.isfinite(torch.tensor(r[key])), (key, r[key])
+    assert rows[-1]["kl"] > 0  # the policy moved away from its (bf16) reference
+
+
+# ------------------------------------------------------------------ LoRA
+
+needs_peft = pytest.mark.skipif(not configs.peft_installed(), reason="LoRA needs peft: pip install '.[lora]' (CI does)")
+
+
+def _lora(model, r=4):
+    from vineppo import lora
+
+    return lora.add_adapters(model, r, 8.0, "all-linear")
+
+
+@needs_peft
+def test_lora_reference_is_the_base_model_exactly_and_only_adapters_train():
+    from vineppo import lora
+
+    base, policy = _model(), _lora(_model())
+    before = {k: v.clone() for k, v in policy.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    advantages = [torch.randn(len(r), generator=g) for r in RESPONSES]
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    ppo_update(policy, lora.AdaptersOff(policy), opt, PROMPTS, RESPONSES, advantages, CFG, 0, torch.Generator())
+    changed = {k for k, v in policy.named_parameters() if not torch.equal(v, before[k])}
+    assert changed and all("lora_" in k for k in changed)  # only adapter weights moved
+    assert all(not p.requires_grad for k, p in policy.named_parameters() if "lora_" not in k)
+    b = pack(PROMPTS, RESPONSES, 0)
+    with torch.no_grad():
+        ref, _ = token_logprobs(lora.AdaptersOff(policy), b, 0.7)
+        want, _ = token_logprobs(base, b, 0.7)
+        adapted, _ = token_logprobs(policy, b, 0.7)
+    assert torch.equal(ref, want)  # the reference is the base model, bit for bit
+    assert not torch.allclose(adapted * b.mask, want * b.mask)  # the policy is not
+
+
+@needs_peft
+def test_lora_resume_is_bit_identical_and_the_merged_export_equals_the_adapted_model(tiny_sft, tmp_path):
+    from peft import PeftModel
+
+    lora_flags = dict(lora_r=4, lora_alpha=8.0, lora_targets="q_proj,v_proj,down_proj", lr=1e-3)
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(_cfg(tiny_sft, full, iterations=3, **lora_flags))
+    train(_cfg(tiny_sft, part, iterations=2, **lora_flags))
+    train(configs.load(part / "config.yaml", {"iterations": 3}), resume=part)
+    ckpt = full / "checkpoints" / "iter-000003"
+    assert not (ckpt / "model.safetensors").exists()  # the checkpoint holds the adapters, not the model
+    a = load_file(ckpt / "adapter_model.safetensors")
+    b = load_file(part / "checkpoints" / "iter-000003" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all("lora_" in k for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    start = load_file(tiny_sft / "model.safetensors")
+    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # they were trained
+
+    out = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "vineppo", "export", str(full), "--out", str(out), "--json"], check=True,
+                   capture_output=True, timeout=300)
+    merged = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no peft
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_sft), str(ckpt))
+    ids = torch.tensor([[3, 17, 5, 9, 12, 40, 7]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5)
+    assert any(not torch.equal(v, start[k]) for k, v in merged.state_dict().items() if k in start)
+
+
+def test_lora_without_peft_is_a_one_line_error(monkeypatch, capsys, tmp_path):
+    from vineppo import cli
+
+    monkeypatch.setattr(configs, "peft_installed", lambda: False)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--lora-r", "8", "--model", "/no/such/model", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vineppo train: error: --lora-r: needs peft (pip install 'vineppo[lo")
