@@ -127,6 +127,10 @@ def one(name: str, folder: str, args: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in policy.parameters())
     models = build_models(cfg, policy, folder, device)
     policy = models.trained.policy
+    for model in (policy, models.reference):  # transformers maps weight files lazily: page every weight in now
+        plain = isinstance(model, torch.nn.Module) and not parallel.sharded(model)  # (shards are copies already)
+        for t in model.state_dict().values() if plain else []:
+            float(t.sum())
     setup = meter.now() - meter.base
     meter.reset()
     g = torch.Generator().manual_seed(0)
@@ -171,7 +175,9 @@ def summarise(rows: list[dict]) -> dict:
         sharded = CONFIGS[name][0].get("fsdp", False)
         one_gpu = None if sharded else (static * P_7B + gathered * P_7B + acts) / 1e9
         eight = ((gb(static, 8) if sharded else static * P_7B) + gathered * P_7B + acts) / 1e9
-        out[name] = {"ranks": ranks, "static_bytes_per_param": round(static, 2),
+        setup = max(r["setup_bytes"] for r in rs) / n
+        out[name] = {"ranks": ranks, "setup_bytes_per_param": round(setup, 2),
+                     "static_bytes_per_param": round(static, 2),
                      "sampling_peak_bytes_per_param": round(sampling, 2),
                      "gathered_bytes_per_param": round(gathered, 2),
                      "update_peak_bytes_per_param": round(update, 2),
