@@ -142,7 +142,8 @@ class BalancedContinuations:
         self.states_run += len(mine)
         out = self.engine.continuations([pools[r][i][0] for r, i in keys],
                                         [[pools[r][i][1][j] for j in jobs[(r, i)]] for r, i in keys],
-                                        k, params, generator, progress)
+                                        k, params, generator, progress,
+                                        budgets=[[pools[r][i][2][j] for j in jobs[(r, i)]] for r, i in keys])
         done = {(r, i, j): samples for (r, i), per in zip(keys, out) for j, samples in zip(jobs[(r, i)], per)}
         results: dict = {}
         for part in all_gather_objects(done):
