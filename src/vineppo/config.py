@@ -70,6 +70,7 @@ class TrainConfig:
     token_budget: int = 65536  # engine: max rows x tokens in one decode batch
     tensorboard: bool = True  # write TensorBoard event files
     wandb: str | None = None  # Weights & Biases project name (None: off)
+    preset: str | None = None  # the preset or YAML file the settings came from (recorded; set by --config)
 
 
 def load_preset(name_or_path: str) -> dict:
@@ -107,6 +108,8 @@ def resolve(preset: dict, overrides: dict) -> TrainConfig:
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One `--field-name` flag per TrainConfig field (all optional: unset flags do not override)."""
     for f in fields(TrainConfig):
+        if f.name == "preset":  # chosen with --config
+            continue
         kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                             help=_comment(f.name))
