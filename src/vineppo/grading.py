@@ -5,6 +5,9 @@ first by string equality after a light normalisation (most correct answers stop 
 `math-verify` (numeric and symbolic equivalence) in a persistent worker process that is killed and
 restarted when a call runs past the time limit. math-verify's own timeouts use SIGALRM, which works only
 in a main thread and cannot interrupt sympy stuck in C code; a separate process can always be killed.
+
+Extractors (`extract_gsm8k`, `extract_math`) return the answer a grader would compare, or None when it
+finds none: whether a response is parsable at all, right or wrong.
 """
 
 from __future__ import annotations
@@ -231,6 +234,12 @@ def math_equal(pred: str, gold: str, timeout: float = MATH_TIMEOUT) -> bool:
     if not p or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     return _VERIFIER.equal(pred, gold, timeout)
+
+
+def extract_math(completion: str) -> str | None:
+    """The content of the last `\\boxed{}` when there is a non-empty one, else None."""
+    got = last_boxed(completion)
+    return got if got is not None and got.strip() else None
 
 
 def grade_math(completion: str, answer: str, timeout: float = MATH_TIMEOUT) -> float:
