@@ -78,6 +78,7 @@ class TrainConfig:
     token_budget: int = 65536  # engine: max rows x tokens in one decode batch
     tensorboard: bool = True  # write TensorBoard event files
     wandb: str | None = None  # Weights & Biases project name (None: off)
+    preset: str | None = None  # the preset or YAML file the settings came from (recorded; set by --config)
 
 
 # A rule: (test, what a value must be). Tests see values already coerced to the field's type; NaN fails them all.
@@ -218,6 +219,8 @@ def resolve(preset: dict, overrides: dict, source: str = "config") -> TrainConfi
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One `--field-name` flag per TrainConfig field (all optional: unset flags do not override)."""
     for f in fields(TrainConfig):
+        if f.name == "preset":  # chosen with --config
+            continue
         kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                             help=_comment(f.name))

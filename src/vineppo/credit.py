@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from vineppo.engine import SamplingParams
-from vineppo.grading import outcome_reward
+from vineppo.grading import continuation_reward
 
 
 @dataclass
@@ -138,31 +138,37 @@ def gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: float) -
 
 @register("vine")
 def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
-    """VinePPO: V(s_t) = mean reward of K continuations from each step boundary; A_t = r_t + V(s_{t+1}) - V(s_t)."""
-    sequences, boundaries, owners = [], [], []
+    """VinePPO: V(s_t) = mean reward of K continuations from each step boundary; A_t = r_t + V(s_{t+1}) - V(s_t).
+
+    A state is a position in the response: steps that start at the same token (empty steps) share one state,
+    estimated once. A continuation from response offset b may add max_new_tokens - b tokens, the room the
+    response itself had left, and is graded by the same rule (cut off: 0). The response's end is no state to
+    sample from: a step starting there (an empty last step), like a state past the cap, takes V = the reward.
+    """
+    sequences, boundaries, budgets, owners, positions = [], [], [], [], []
     for i, ep in enumerate(episodes):
-        starts = [s for s, _ in ep.steps][: ctx.mc_max_states]
-        if not starts:
-            continue
-        sequences.append(ep.prompt_ids + ep.response_ids)
-        boundaries.append([len(ep.prompt_ids) + s for s in starts])
-        owners.append(i)
-    rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k, ctx.params, ctx.generator, ctx.progress)
-    state_values: list[list[float]] = [[] for _ in episodes]
+        pos = sorted({s for s, _ in ep.steps if s < len(ep.response_ids)})[: ctx.mc_max_states]
+        positions.append(pos)
+        if pos:
+            sequences.append(ep.prompt_ids + ep.response_ids)
+            boundaries.append([len(ep.prompt_ids) + s for s in pos])
+            budgets.append([ctx.params.max_new_tokens - s for s in pos])
+            owners.append(i)
+    rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k, ctx.params, ctx.generator, ctx.progress,
+                                        budgets=budgets)
+    value_at: list[dict[int, float]] = [{} for _ in episodes]  # response offset -> V
     n_cont = n_tokens = 0
     for i, per_state in zip(owners, rollouts):
         ep = episodes[i]
-        for start, samples in zip((s for s, _ in ep.steps), per_state):
-            # A step boundary falls between characters, so decoding the prefix once and appending each
-            # continuation's text gives the full text.
-            prefix = ctx.tokenizer.decode(ep.response_ids[:start], skip_special_tokens=True)
-            wins = [outcome_reward(ctx.grade, prefix + s.text, ep.answer, s.finish_reason) for s in samples]
-            state_values[i].append(sum(wins) / len(wins))
+        for start, samples in zip(positions[i], per_state):
+            prefix = ep.response_ids[:start]
+            wins = [continuation_reward(ctx.grade, ctx.tokenizer, prefix, s, ep.answer) for s in samples]
+            value_at[i][start] = sum(wins) / len(wins)
             n_cont += len(samples)
             n_tokens += sum(len(s.token_ids) for s in samples)
     advantages, all_values = [], []
-    for ep, vals in zip(episodes, state_values):
-        vals = vals + [ep.reward] * (len(ep.steps) - len(vals))  # states past the cap
+    for ep, at in zip(episodes, value_at):
+        vals = [at.get(s, ep.reward) for s, _ in ep.steps]
         adv = torch.zeros(len(ep.response_ids))
         for (s, e), a in zip(ep.steps, step_advantages(vals, ep.reward, ctx.gamma)):
             adv[s:e] = a

@@ -30,7 +30,8 @@ from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
 
-DEFAULT_PRESET = "arith-tiny"
+TASK_PRESETS = {"arith": "arith-tiny"}  # without --config a run uses configs/<task>.yaml, or the preset named here
+NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
@@ -51,19 +52,25 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     if main and not resume:
         runs.start_fresh(out)
     train_set, test_set = _load_data(cfg, task)
+    if main:
+        console.print(f"{'resuming ' if resume else ''}{cfg.algo} on {cfg.task}, preset {cfg.preset or 'none'}, "
+                      f"run folder {out}", highlight=False, soft_wrap=True)
 
     # Models: the policy, its frozen SFT reference, and the critic when the estimator uses one.
     model_dir = _sft_model(cfg, train_missing=not resume) if main else None
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
     if main and resume:
         runs.check_start_model(out, model_dir)
-    from vineppo.models import encode_prompt, load_model
+    from vineppo.models import disable_dropout, encode_prompt, load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
     _check_lengths(cfg, task, tokenizer, policy, train_set, test_set)
     reference, _ = load_model(model_dir, device=str(device), verbose=False)
     reference.requires_grad_(False)
     critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
+    for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
+        if net is not None:
+            disable_dropout(net)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
     engine = Engine(policy, tokenizer, token_budget=cfg.token_budget)
@@ -98,6 +105,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     bar.start()
     job = bar.add_task(f"{cfg.algo} on {cfg.task}", total=cfg.iterations, completed=state["iteration"], status="")
     clock = time.perf_counter() - state["wall_clock_s"]
+    watch = _SignalWatch(enabled=main)
     if state["sft_test_pass@1"] is None and test_set:
         bar.update(job, status="evaluating the SFT model")
         state["sft_test_pass@1"] = state["best_test_pass@1"] = evaluate_now(0)
@@ -125,13 +133,16 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
                     for s in samples]
         n_trunc = sum(ep.truncated for ep in episodes)
         totals = dist.all_sum([float(len(episodes)), float(n_trunc), sum(ep.reward for ep in episodes),
-                               float(sum(len(ep.response_ids) for ep in episodes))])
+                               float(sum(len(ep.response_ids) for ep in episodes)), float(_mixed_prompts(episodes)),
+                               float(len(mine))])
         if totals[1] == totals[0]:
             raise UserError(f"iteration {it + 1}: all {int(totals[0])} responses hit max_new_tokens="
                             f"{cfg.max_new_tokens} (reward 0, nothing to learn); raise --max-new-tokens or check the "
                             f"model. Last good checkpoint: {runs.latest(out) or 'none yet'}")
         metrics.update({"train/reward": totals[2] / totals[0], "train/truncated": totals[1] / totals[0],
-                        "train/response_tokens": totals[3] / totals[0], "episodes": totals[0]})
+                        "train/response_tokens": totals[3] / totals[0], "episodes": totals[0],
+                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0)})
+        watch.update(metrics)
         t1 = time.perf_counter()
 
         # 3. Credit assignment: per-token advantages from the configured estimator.
@@ -212,6 +223,33 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
                    sample.finish_reason != "stop")
 
 
+def _mixed_prompts(episodes: list[Episode]) -> int:
+    """Prompts whose responses differ in reward: a batch without any gives GRPO/RLOO no signal, and VinePPO rarely."""
+    rewards: dict[int, set[float]] = {}
+    for ep in episodes:
+        rewards.setdefault(ep.group, set()).add(ep.reward)
+    return sum(len(r) > 1 for r in rewards.values())
+
+
+class _SignalWatch:
+    """Warns once per run when NO_SIGNAL_ITERATIONS iterations in a row have no prompt with mixed outcomes."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.flat, self.warned = enabled, 0, False
+
+    def update(self, metrics: dict[str, float]) -> None:
+        """Count this iteration; print the warning (one line) the first time the count reaches the limit."""
+        self.flat = self.flat + 1 if metrics["train/mixed_prompts"] == 0 else 0
+        if self.flat < NO_SIGNAL_ITERATIONS or self.warned or not self.enabled:
+            return
+        self.warned = True
+        console.print(f"warning: {self.flat} iterations in a row without a prompt whose responses differ in reward "
+                      f"(train/reward {metrics['train/reward']:.2f}): the outcomes give no learning signal. Likely "
+                      f"causes: answers in a format the grader cannot parse (see `parsable` in `vineppo eval --json`), "
+                      f"or --max-new-tokens too small ({metrics['train/truncated']:.0%} of responses cut off)",
+                      highlight=False, markup=False, soft_wrap=True)
+
+
 def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
     """Counts (mc/*) are summed over ranks; other statistics are averaged."""
     keys = sorted(stats)
@@ -285,10 +323,19 @@ def _run_dir(cfg: TrainConfig) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo train`: --config, --resume, --json, and one flag per TrainConfig field."""
-    p.add_argument("--config", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
+    p.add_argument("--config", default=None, help="preset name or YAML file (default: the task's preset: "
+                   "arith-tiny for arith, gsm8k for gsm8k, math for math)")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     configs.add_config_arguments(p)
+
+
+def task_preset(task: str) -> str:
+    """The preset a run of `task` uses without --config: the one named in TASK_PRESETS, else the task's name."""
+    name = TASK_PRESETS.get(task, task)
+    if not (configs.PRESETS / f"{name}.yaml").is_file():
+        raise UserError(f"task {task!r} has no preset of its own; pass --config PRESET|FILE.yaml")
+    return name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -303,8 +350,9 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(extra)})")
         cfg = configs.load(saved, overrides)
     else:
-        name = args.config or DEFAULT_PRESET
-        cfg = configs.resolve(configs.load_preset(name), overrides, source=name)
+        preset = args.config or task_preset(overrides.get("task", TrainConfig.task))
+        cfg = configs.resolve(configs.load_preset(preset), overrides, source=preset)
+        cfg.preset = preset
     try:
         summary = train(cfg, Path(args.resume) if args.resume else None)
         main = dist.is_main()
