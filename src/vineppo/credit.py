@@ -87,18 +87,19 @@ def _per_response(episodes: list[Episode], scores: list[float]) -> list[torch.Te
     return [torch.full((len(ep.response_ids),), float(s)) for ep, s in zip(episodes, scores)]
 
 
-def _groups(episodes: list[Episode]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
+def groups(episodes: list[Episode]) -> dict[int, list[int]]:
+    """Episode indices by prompt (responses to one prompt form a group)."""
+    out: dict[int, list[int]] = {}
     for i, ep in enumerate(episodes):
-        groups.setdefault(ep.group, []).append(i)
-    return groups
+        out.setdefault(ep.group, []).append(i)
+    return out
 
 
 @register("grpo")
 def grpo(episodes: list[Episode], ctx: CreditContext) -> Credit:
     """GRPO: (r - mean of its group) / std of its group, the same for every token of a response."""
     scores = [0.0] * len(episodes)
-    for members in _groups(episodes).values():
+    for members in groups(episodes).values():
         r = torch.tensor([episodes[i].reward for i in members])
         std = r.std() if len(members) > 1 else torch.tensor(0.0)
         for i, a in zip(members, (r - r.mean()) / (std + 1e-6)):
@@ -110,7 +111,7 @@ def grpo(episodes: list[Episode], ctx: CreditContext) -> Credit:
 def rloo(episodes: list[Episode], ctx: CreditContext) -> Credit:
     """RLOO: r minus the mean reward of the other responses to the same prompt."""
     scores = [0.0] * len(episodes)
-    for members in _groups(episodes).values():
+    for members in groups(episodes).values():
         total, n = sum(episodes[i].reward for i in members), len(members)
         for i in members:
             scores[i] = episodes[i].reward - (total - episodes[i].reward) / (n - 1) if n > 1 else 0.0
