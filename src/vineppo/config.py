@@ -51,6 +51,7 @@ class TrainConfig:
     iterations: int = 1000  # RL iterations (sample -> credit -> update)
     prompts_per_iter: int = 64  # prompts per iteration, drawn with replacement
     samples_per_prompt: int = 8  # responses per prompt (a group for GRPO/RLOO)
+    oversample: int = 1  # draw oversample x prompts_per_iter prompts, keep prompts_per_iter: those whose responses differ in reward first (DAPO's dynamic sampling; 1 keeps all)
     temperature: float = 0.6  # sampling temperature; log-probs use logits / temperature too
     top_p: float = 0.9  # nucleus sampling
     max_new_tokens: int = 1024  # response length cap; a truncated response gets reward 0
@@ -101,7 +102,7 @@ TOP_P: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
 RULES: dict[str, Rule] = {
     "algo": (lambda v: v in ALGOS, f"must be one of {', '.join(ALGOS)}"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "must be auto, cpu, cuda or cuda:N"),
-    "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1,
+    "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1, "oversample": AT_LEAST_1,
     "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),
     "top_p": TOP_P, "max_new_tokens": AT_LEAST_1, "mc_k": AT_LEAST_1, "mc_max_states": AT_LEAST_1,
     "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,

@@ -135,7 +135,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         # 1. Sample: this rank's share of the iteration's prompts, several responses each.
         t0 = time.perf_counter()
         bar.update(job, status="sampling")
-        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter)]
+        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
         prompt_ids = [encode_prompt(tokenizer, task.prompt(ex)) for _, ex in mine]
         outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
@@ -143,17 +143,21 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         # 2. Grade and cut into steps.
         episodes = [_episode(task, tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
                     for s in samples]
-        n_trunc = sum(ep.truncated for ep in episodes)
-        totals = dist.all_sum([float(len(episodes)), float(n_trunc), sum(ep.reward for ep in episodes),
-                               float(sum(len(ep.response_ids) for ep in episodes)), float(_mixed_prompts(episodes)),
-                               float(len(mine))])
+        sampled = episodes
+        if cfg.oversample > 1:
+            episodes = _informative(episodes, cfg.prompts_per_iter)
+        n_trunc = sum(ep.truncated for ep in sampled)
+        totals = dist.all_sum([float(len(sampled)), float(n_trunc), sum(ep.reward for ep in sampled),
+                               float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(sampled)),
+                               float(len(mine)), float(_mixed_prompts(episodes))])
         if totals[1] == totals[0]:
             raise UserError(f"iteration {it + 1}: all {int(totals[0])} responses hit max_new_tokens="
                             f"{cfg.max_new_tokens} (reward 0, nothing to learn); raise --max-new-tokens or check the "
                             f"model. Last good checkpoint: {runs.latest(out) or 'none yet'}")
         metrics.update({"train/reward": totals[2] / totals[0], "train/truncated": totals[1] / totals[0],
                         "train/response_tokens": totals[3] / totals[0], "episodes": totals[0],
-                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0)})
+                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0),
+                        "train/kept_mixed_prompts": totals[6] / cfg.prompts_per_iter})
         watch.update(metrics)
         t1 = time.perf_counter()
 
@@ -209,12 +213,31 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
                    sample.finish_reason != "stop")
 
 
-def _mixed_prompts(episodes: list[Episode]) -> int:
-    """Prompts whose responses differ in reward: a batch without any gives GRPO/RLOO no signal, and VinePPO rarely."""
+def _informative(episodes: list[Episode], keep: int) -> list[Episode]:
+    """The episodes of `keep` prompts over all ranks: prompts whose responses differ in reward first, then the
+    rest, each in draw order; kept prompts are numbered 0..keep-1 in that order, the same on every rank.
+
+    A prompt whose responses all agree gives GRPO and RLOO no signal and VinePPO little (its states are mostly
+    decided), so the expensive Monte Carlo and update go to the prompts that can teach something.
+    """
+    groups = _outcomes(episodes)
+    mixed = {g for part in dist.all_gather_objects(groups) for g, rewards in part.items() if len(rewards) > 1}
+    drawn = sorted({g for part in dist.all_gather_objects(list(groups)) for g in part})
+    chosen = sorted(drawn, key=lambda g: (g not in mixed, g))[:keep]
+    number = {g: k for k, g in enumerate(chosen)}
+    return [dataclasses.replace(ep, group=number[ep.group]) for ep in episodes if ep.group in number]
+
+
+def _outcomes(episodes: list[Episode]) -> dict[int, set[float]]:
     rewards: dict[int, set[float]] = {}
     for ep in episodes:
         rewards.setdefault(ep.group, set()).add(ep.reward)
-    return sum(len(r) > 1 for r in rewards.values())
+    return rewards
+
+
+def _mixed_prompts(episodes: list[Episode]) -> int:
+    """Prompts whose responses differ in reward: a batch without any gives GRPO/RLOO no signal, and VinePPO rarely."""
+    return sum(len(r) > 1 for r in _outcomes(episodes).values())
 
 
 class _SignalWatch:
