@@ -14,7 +14,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from vineppo import parallel
+from vineppo import algorithms, parallel
+from vineppo.config import TrainConfig
 from vineppo.ppo import Critic, UpdateConfig, ppo_update
 
 CFG = UpdateConfig(epochs=2, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7, grad_clip=1.0,
@@ -74,12 +75,31 @@ def _update(ids, fsdp=False):
     return {**state, **{f"critic.{k}": v for k, v in critic_state.items()}}
 
 
-def _worker(rank, store, out, fsdp):
+def _fine_tune(ids, fsdp=False):
+    """Weights after RestEM's and DPO+'s optimiser steps (algorithms.minibatch_steps: 2 epochs, likelihood on the
+    episodes `ids`, this rank's share) through the model as `parallel.wrap` returns it."""
+    policy = _model()
+    trainee = parallel.wrap(policy, torch.device("cpu"), fsdp)
+    prompts, responses, *_ = _episodes()
+    ctx = algorithms.Context(TrainConfig(epochs=2, minibatch=4, micro_batch=2), trainee, None,
+                             torch.optim.AdamW(policy.parameters(), lr=1e-2), None, None, None, None,
+                             order_generator=torch.Generator().manual_seed(3))
+
+    def nll(idx, total):  # idx: positions in `ids`
+        logp, mask = algorithms.sequence_logprobs(trainee, [prompts[ids[i]] for i in idx],
+                                                  [responses[ids[i]] for i in idx], 0, ctx)
+        return -(logp * mask).sum() / total, {}
+
+    algorithms.minibatch_steps(ctx, ids, [float(len(responses[i])) for i in ids], nll)
+    return parallel.full_state(policy) if fsdp else policy.state_dict()
+
+
+def _worker(rank, store, out, fsdp, fn=_update):
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    params = _update([0, 2, 4, 6, 7] if rank == 0 else [1, 3, 5], fsdp)  # uneven shares: rank 1 idles some steps
+    params = fn([0, 2, 4, 6, 7] if rank == 0 else [1, 3, 5], fsdp)  # uneven shares: rank 1 idles some steps
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in params.items()}, out)
     tdist.destroy_process_group()
@@ -93,6 +113,19 @@ def test_update_with_two_processes_equals_one(tmp_path, fsdp):
     start = {**_model().state_dict(), **{f"critic.{k}": v for k, v in _critic().state_dict().items()}}
     assert any(not torch.equal(start[k], single[k]) for k in single if not k.startswith("critic."))
     assert any(not torch.equal(start[k], single[k]) for k in single if k.startswith("critic."))
+    assert single.keys() == double.keys()
+    for k in single:
+        assert torch.allclose(single[k], double[k], atol=1e-5), k
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_restem_and_dpo_steps_with_two_processes_equal_one(tmp_path, fsdp):
+    single = _fine_tune(list(range(8)))
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "params.pt"), fsdp, _fine_tune), nprocs=2,
+             join=True)
+    double = torch.load(tmp_path / "params.pt")
+    start = _model().state_dict()
+    assert any(not torch.equal(start[k], single[k]) for k in single)  # the steps did move the weights
     assert single.keys() == double.keys()
     for k in single:
         assert torch.allclose(single[k], double[k], atol=1e-5), k
@@ -158,3 +191,31 @@ def test_killed_two_process_run_resumes_on_one(tiny_sft, tmp_path, flags):
     rows = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3]
     assert json.loads((out / "summary.json").read_text())["iterations"] == 3
+
+
+def test_device_auto_on_single_gpu(monkeypatch):
+    """--device auto on a machine with CUDA resolves to a CUDA device, in one place, for every command."""
+    import vineppo.distributed as dist
+    from vineppo.errors import UserError
+    from vineppo.models import pick_device
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []  # nothing may touch a real GPU: these record what would have happened
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist.tdist, "init_process_group", lambda backend: calls.append(("group", backend)))
+    assert pick_device("auto") == pick_device(None) == torch.device("cuda")
+    assert dist.init("auto") == torch.device("cuda", 0)  # one GPU, no torchrun
+    assert dist.init("cuda:1") == torch.device("cuda", 1)
+    assert dist.init("cpu") == torch.device("cpu")
+    assert calls == []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert dist.init("auto") == torch.device("cuda", 1)  # under torchrun: this rank's GPU, NCCL
+    assert calls == [("set_device", torch.device("cuda", 1)), ("group", "nccl")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RANK")
+    assert dist.init("auto") == torch.device("cpu")
+    with pytest.raises(UserError, match="CUDA is not available"):
+        dist.init("cuda")

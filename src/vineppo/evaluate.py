@@ -1,6 +1,10 @@
 """`vineppo eval`: pass@1 (the paper's protocol: mean correctness over 16 samples at T=0.35, top-p 0.9)
 and greedy accuracy of a model on a task, with per-problem results in a JSONL file.
 
+Each response's finish reason ("stop": EOS or a stop string; "length": cut off at --max-new-tokens) is
+recorded, and `parsable` is the fraction of responses (sampled and greedy) in which the task's strict
+extractor finds an answer, right or wrong: a low value means the grader cannot read the model's format.
+
 For GSM8K-format solutions (`a op b = c` lines, then `#### answer`) `first_error_step` says where a wrong
 response first goes wrong: a wrong result on line i, or a wrong number copied into it.
 """
@@ -15,12 +19,11 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
-import torch
 
 from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
-from vineppo.models import context_length, encode_prompt, load_model
+from vineppo.models import context_length, encode_prompt, load_model, seeded_generator
 from vineppo.runs import make_folder
 from vineppo.tasks import Example, Task, get_task
 
@@ -75,7 +78,7 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
 def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
              top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
              token_budget: int = 65536) -> dict:
-    """{'pass@1', 'greedy', 'problems', 'samples', 'results': per-problem rows} for `examples` (seeded)."""
+    """{'pass@1', 'greedy', 'problems', 'samples', 'parsable', 'results': per-problem rows} for `examples` (seeded)."""
     from vineppo.engine import Engine, SamplingParams
 
     if not examples:
@@ -94,10 +97,10 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
     sampled = [[] for _ in prompts]
     if samples > 0:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=task.stop)
-        sampled = engine.generate(prompts, n=samples, params=params,
-                                  generator=torch.Generator().manual_seed(seed), progress=progress)
+        sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
+                                  progress=progress)
     greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
-    greedy = engine.generate(prompts, n=1, params=greedy_params, generator=torch.Generator().manual_seed(seed),
+    greedy = engine.generate(prompts, n=1, params=greedy_params, generator=seeded_generator(model, seed),
                              progress=progress)
     model.train(was_training)
 
@@ -107,11 +110,14 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
         g_ok = outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason)
         rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": sum(marks) / len(marks) if marks else None},
                          correct=int(sum(marks)), samples=len(marks), greedy=g_ok, greedy_text=g[0].text,
-                         sample_texts=[s.text for s in outs], sample_correct=marks))
+                         greedy_finish=g[0].finish_reason, sample_texts=[s.text for s in outs], sample_correct=marks,
+                         sample_finish=[s.finish_reason for s in outs]))
     scored = [r["pass@1"] for r in rows if r["pass@1"] is not None]
+    texts = [s.text for outs in sampled for s in outs] + [g[0].text for g in greedy]
+    parsable = sum(task.extract(t) is not None for t in texts) / len(texts) if task.extract else None
     return {"pass@1": sum(scored) / len(scored) if scored else None,
             "greedy": sum(r["greedy"] for r in rows) / len(rows),
-            "problems": len(rows), "samples": samples, "results": rows}
+            "problems": len(rows), "samples": samples, "parsable": parsable, "results": rows}
 
 
 def error_histogram(examples: list[Example], rows: list[dict]) -> dict[str, Counter]:
@@ -176,13 +182,14 @@ def run(args: argparse.Namespace) -> int:
         res = evaluate(model, tokenizer, task, examples, samples=args.samples, temperature=args.temperature,
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick)
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
-    summary = {k: res[k] for k in ("pass@1", "greedy", "problems", "samples")}
+    summary = {k: res[k] for k in ("pass@1", "greedy", "problems", "samples", "parsable")}
     if args.json:
         print(json.dumps(summary))
         return 0
     p1 = "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.4f}"
+    parsable = "n/a" if summary["parsable"] is None else f"{summary['parsable']:.4f}"
     print(f"{args.task}/{args.split}: pass@1 {p1} ({args.samples} samples, T={args.temperature}, "
-          f"top-p {args.top_p})  greedy {summary['greedy']:.4f}  problems {summary['problems']}")
+          f"top-p {args.top_p})  greedy {summary['greedy']:.4f}  parsable {parsable}  problems {summary['problems']}")
     print(f"per-problem results: {out}", file=sys.stderr)
     if args.errors:
         hist = error_histogram(examples, res["results"])

@@ -16,6 +16,7 @@ from vineppo import parallel
 from vineppo.config import NEEDS_PEFT, peft_installed
 from vineppo.errors import UserError
 
+
 def active(model: nn.Module | None) -> bool:
     """True for a model with LoRA adapters (peft imported, and the model or the one DDP wraps a PeftModel)."""
     peft = sys.modules.get("peft")
@@ -35,6 +36,17 @@ def add_adapters(model: nn.Module, r: int, alpha: float, targets: str) -> nn.Mod
         return get_peft_model(model, config)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model ..."
         raise UserError(f"--lora-targets {targets}: {str(e).splitlines()[0][:200]}") from None
+
+
+def reset_adapters(model: nn.Module, seed: int) -> None:
+    """Initialise every adapter afresh as peft does (A random, seeded; B zero): the model is its base again."""
+    from peft.tuners.lora import LoraLayer  # optional dependency
+
+    torch.manual_seed(seed)
+    for m in parallel.unwrap(model).modules():
+        if isinstance(m, LoraLayer):
+            for name in m.lora_A:
+                m.reset_lora_parameters(name, True)
 
 
 class AdaptersOff:

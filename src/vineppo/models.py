@@ -37,6 +37,27 @@ def pick_device(device: str | None = None) -> torch.device:
         raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
 
 
+def seeded_generator(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """A generator on the model's device: sampling there never copies probabilities to another device."""
+    return torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Turn every dropout off (nn.Dropout modules, dropout-rate attributes and config fields), as RL trainers do.
+
+    PPO's ratio and KL compare log-probs of the same tokens computed at different times; dropout would make
+    them differ by noise (the ratio is not 1 on the first minibatch). Attention dropout is often a float
+    attribute read in forward (Llama's `attention_dropout`), not a module, hence the attributes.
+    """
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "__dict__")}
+    for obj in [*model.modules(), *configs.values()]:
+        if isinstance(obj, torch.nn.Dropout):
+            obj.p = 0.0
+        for name, value in list(vars(obj).items()):
+            if ("dropout" in name or "pdrop" in name) and type(value) is float:
+                setattr(obj, name, 0.0)
+
+
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """A torch dtype from a name like 'bf16' or 'float32'; None or 'auto' stays None."""
     if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":

@@ -26,6 +26,11 @@ class Batch:
     advantages: torch.Tensor  # [B, R]
     returns: torch.Tensor  # [B, R] (zeros without a critic)
 
+    def to(self, device: torch.device) -> Batch:
+        """This batch with every tensor on `device`."""
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.mask,
+                                              self.advantages, self.returns)))
+
     def scored(self) -> torch.Tensor:
         """The positions whose outputs predict the response columns: P-1 .. P+R-2."""
         R, L = self.mask.shape[1], self.input_ids.shape[1]
@@ -125,14 +130,11 @@ class Critic(nn.Module):
         for i in range(0, len(prompts), micro_batch):
             p, r = prompts[i:i + micro_batch], responses[i:i + micro_batch]
             batch = pack(p, r, pad_id)
-            v = self(_to(batch, self.head.weight.device)).cpu()
+            v = self(batch.to(self.head.weight.device)).cpu()
             out += [v[j][batch.mask[j].bool()] for j in range(len(p))]
         return out
 
 
-def _to(batch: Batch, device: torch.device) -> Batch:
-    return Batch(*(t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.mask,
-                                          batch.advantages, batch.returns)))
 
 
 def mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
@@ -180,8 +182,8 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
     n = len(prompts)
     old_logp, ref_logp = {}, {}
     with torch.no_grad(), parallel.autocast(device, cfg.dtype):  # log-probs before the update, and under the reference
-        for idx in _aligned(_micro_batches(list(range(n)), cfg.micro_batch)):
-            b = _to(pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id), device)
+        for idx in aligned(_micro_batches(list(range(n)), cfg.micro_batch)):
+            b = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id).to(device)
             old, _ = token_logprobs(policy, b, cfg.temperature)
             ref, _ = token_logprobs(reference, b, cfg.temperature)
             for j, i in enumerate(idx):
@@ -200,11 +202,11 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
             optimizer.zero_grad(set_to_none=True)
             if critic_optimizer is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-            micro = _aligned(_micro_batches(mb, cfg.micro_batch))
+            micro = aligned(_micro_batches(mb, cfg.micro_batch))
             for k, idx in enumerate(micro):
                 b = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id,
                          [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None)
-                b = _to(b, device)
+                b = b.to(device)
                 old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
                 ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
                 sync = k == len(micro) - 1  # DDP all-reduces on the minibatch's last backward only
@@ -239,7 +241,7 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
     return totals
 
 
-def _aligned(batches: list[list[int]]) -> list[list[int]]:
+def aligned(batches: list[list[int]]) -> list[list[int]]:
     """Pad with empty micro-batches to the most any rank has: every rank must join every forward and backward."""
     most = max(dist.all_gather_objects(len(batches)))
     return batches + [[] for _ in range(most - len(batches))]

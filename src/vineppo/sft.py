@@ -221,17 +221,22 @@ def _progress(enabled: bool):
                     TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled)
 
 
+def _defaults(key: str) -> str:
+    """' (tiny: X, pretrained: Y)' for a --help text, read from the defaults themselves so it cannot go stale."""
+    return f" (tiny: {TINY_DEFAULTS[key]:g}, pretrained: {PRETRAINED_DEFAULTS[key]:g})"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo sft`."""
     p.add_argument("--task", default="arith", help="task name (default: arith)")
     p.add_argument("--model", default="tiny", help="hub id, local folder, or 'tiny' to build the small CPU model")
     p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (tiny: 0.55, pretrained: 3)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3, pretrained: 1e-5)")
-    p.add_argument("--batch-size", type=int, default=None, help="examples per step (tiny: 16, pretrained: 64)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate" + _defaults("lr"))
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step" + _defaults("batch_size"))
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
-    p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps (default 0.03)")
+    p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps" + _defaults("warmup"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

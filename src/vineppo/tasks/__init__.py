@@ -40,6 +40,9 @@ class Task:
     stop: tuple[str, ...] = ("\n\nProblem:",)
     # Extra keyword knobs the loader accepts (documented per task).
     options: dict = field(default_factory=dict)
+    # extract(completion) -> the answer the grader would compare, or None when it finds none (strict
+    # parsability, right or wrong); None when the task has no extractor.
+    extract: Callable[[str], str | None] | None = None
 
     def prompt(self, example: Example) -> str:
         """The prompt text for one example."""

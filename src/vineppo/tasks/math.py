@@ -11,7 +11,7 @@ are carved from it. When a record has no `answer`, the answer is the solution's 
 from __future__ import annotations
 
 from vineppo.errors import UserError
-from vineppo.grading import grade_math, last_boxed
+from vineppo.grading import extract_math, grade_math, last_boxed
 from vineppo.steps import split_math
 from vineppo.tasks import Example, Task, register
 from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
@@ -52,4 +52,5 @@ def load_math(split: str, path: str | None = None, seed: int = 0) -> list[Exampl
     return out
 
 
-register(Task(name="math", load=load_math, grade=grade_math, split_steps=split_math, splits=SPLITS))
+register(Task(name="math", load=load_math, grade=grade_math, split_steps=split_math, splits=SPLITS,
+              extract=extract_math))
