@@ -1,6 +1,8 @@
 """SFT and eval on tiny models (Llama, GPT-2, Qwen2 configs built locally; nothing downloaded)."""
 
 import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -186,3 +188,14 @@ def test_sft_prints_progress_lines_when_output_is_not_a_terminal(tmp_path, capsy
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("sft: step")]
     assert len(lines) == 20 and lines[-1].startswith("sft: step 40/40 (100%)")
     assert "tok/s" in lines[0] and "left" in lines[0]
+
+
+def test_sft_removes_the_temp_folder_a_killed_run_left(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs, as after a SIGKILL
+    stale, live = tmp_path / f".m.tmp-{dead.pid}", tmp_path / f".m.tmp-{os.getppid()}"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    sft(tmp_path / "m", steps=2)
+    assert not stale.exists() and live.exists()  # a running process's folder is left alone

@@ -102,10 +102,25 @@ def lr_at(step: int, total: int, warmup: int) -> float:
 
 def temp_dir(out: Path) -> Path:
     """A fresh temp folder next to `out`, where a run writes until it is complete."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed run (SIGKILL cannot be caught)
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     make_folder(tmp, f"--out {out}")
     return tmp
+
+
+def _alive(pid: int) -> bool:
+    """True when process `pid` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 def save_atomic(model, tokenizer, tmp: Path, out: Path) -> None:

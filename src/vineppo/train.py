@@ -119,7 +119,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         scores = evaluate_now(0)
         state["sft_test_pass@1"] = scores.get("test/pass@1")
         _record(state, 0, scores)
-        tracker.log(0, scores)
+        with _disk_errors(out):
+            tracker.log(0, scores)
         clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
     ctx = Context(cfg, policy, reference, optimizer, tokenizer, engine, params, task.grade, critic, critic_opt,
                   status=lambda text: bar.update(job, status=text))
@@ -181,7 +182,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         state["iteration"] = done
         state["wall_clock_s"] = time.perf_counter() - clock
         metrics["time/wall_clock_s"] = state["wall_clock_s"]
-        tracker.log(done, metrics)
+        with _disk_errors(out):
+            tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
             runs.save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
@@ -313,8 +315,11 @@ def _disk_errors(out: Path):
         kept = runs.latest(out)
         raise UserError(f"{e}; nothing was lost: " + (f"the checkpoints in {kept.parent} are intact" if kept else
                                                        "no training had been done yet")) from None
-    except OSError as e:
-        raise UserError(f"cannot write in {out}: {runs.reason(e)}") from None
+    except OSError as e:  # metrics, config or record: the work since the last checkpoint is what a resume redoes
+        kept = runs.latest(out)
+        raise UserError(f"cannot write in {out}: {runs.reason(e)}; " + (
+            f"the checkpoints in {kept.parent} are intact: --resume {out} continues from {kept.name}" if kept else
+            "no checkpoint had been saved yet")) from None
 
 
 def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:
