@@ -33,7 +33,8 @@ class TrainConfig:
     estimator: str = "vine"  # credit estimator by registry name (set by algo)
     task: str = "arith"  # task registry name
     data: str | None = None  # local training file for the task (None: the task's default source)
-    model: str = "auto"  # SFT model: folder or hub id; "auto" trains/caches the task's default tiny SFT model
+    model: str = "auto"  # SFT model: folder, .gguf file or hub id; "auto" trains/caches the task's tiny SFT model
+    prompt_format: str = "auto"  # plain | chat | fewshot:N | auto (the model's recorded format, else chat if it has one)
     out: str | None = None  # run folder (None: a fresh folder under runs/)
     seed: int = 0  # one seed for sampling, prompt order and minibatch order
     data_seed: int = 0  # seed of generated data sets (arith) and splits: fixed, so every seed sees one test set

@@ -7,6 +7,7 @@ settings (vineppo.config.ALGOS). Read `train` top to bottom.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ from vineppo.engine import Engine, SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.ppo import Critic, UpdateConfig, mean_std, ppo_update, whiten
+from vineppo.prompts import Prompter, save_format
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
@@ -43,12 +45,11 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     # Models: the policy, its frozen SFT reference, and the critic when the estimator uses one.
     model_dir = _sft_model(cfg) if main else None
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
-    from vineppo.models import encode_prompt, load_model
+    from vineppo.models import load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
-    reference, _ = load_model(model_dir, device=str(device), verbose=False)
-    reference.requires_grad_(False)
-    critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    critic = Critic.from_model(policy) if cfg.estimator == "gae" else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
     engine = Engine(policy, tokenizer, token_budget=cfg.token_budget)
@@ -56,6 +57,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
                               cfg.grad_clip, cfg.value_clip)
 
+    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
     train_set = task.load("train", cfg.data, cfg.data_seed)
     test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems] if cfg.eval_problems else []
     if not train_set:
@@ -78,7 +80,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         mine = test_set[dist.rank()::dist.world()]
         result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
                           top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                          token_budget=cfg.token_budget)
+                          token_budget=cfg.token_budget, prompter=prompter)
         total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
         return total / max(n, 1)
 
@@ -105,7 +107,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         bar.update(job, status="sampling")
         picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
-        prompt_ids = [encode_prompt(tokenizer, task.prompt(ex)) for _, ex in mine]
+        prompt_ids = [prompter.prompt(ex) for _, ex in mine]
         outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
 
         # 2. Grade and cut into steps.
@@ -173,7 +175,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
-            _save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
+            _save_checkpoint(out, policy, prompter, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                             if "test/pass@1" in metrics else "")
         bar.update(job, advance=1, status=status)
@@ -225,16 +227,17 @@ def _run_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{cfg.algo}-{cfg.task}-{stamp}"
 
 
-# Checkpoints: runs/X/checkpoints/iter-000010/{model files, optimizer.pt, critic.pt, state.json}. A checkpoint
-# is written to a temporary folder and renamed into place, and `latest` is replaced atomically after that,
-# so a crash mid-write never leaves a broken latest checkpoint.
+# Checkpoints: runs/X/checkpoints/iter-000010/{model files, vineppo.json, optimizer.pt, critic.pt, state.json}.
+# A checkpoint is written to a temporary folder and renamed into place, and `latest` is replaced atomically
+# after that, so a crash mid-write never leaves a broken latest checkpoint.
 
 def _latest(out: Path) -> Path | None:
     pointer = out / "checkpoints" / "latest"
     return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
 
 
-def _save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt, state: dict, keep: int) -> None:
+def _save_checkpoint(out: Path, policy, prompter: Prompter, optimizer, critic, critic_opt, state: dict,
+                     keep: int) -> None:
     if not dist.is_main():
         dist.barrier()
         return
@@ -244,7 +247,8 @@ def _save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     policy.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    prompter.tokenizer.save_pretrained(tmp)
+    save_format(tmp, prompter.format)  # the checkpoint evaluates and trains on in the format it learned
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if critic is not None:
         torch.save({"critic": critic.state_dict(), "optimizer": critic_opt.state_dict()}, tmp / "critic.pt")
