@@ -1,9 +1,9 @@
 """Base models: load any causal LM (hub id, folder or GGUF file), or build the tiny from-scratch model for CPU runs.
 
 A `.gguf` file (or a folder holding exactly one) loads through transformers' GGUF reader, dequantised to
-float32 (the optional extra `vineppo[gguf]`: packages `gguf` and `accelerate`). transformers then marks the
-model as quantized and refuses `save_pretrained`; the weights are plain float tensors, so `load_model` clears
-the mark and every checkpoint written from it is an ordinary safetensors folder.
+float32 (the optional extra `vineppo[gguf]`: packages `gguf` and `accelerate`). Asked for plain weights,
+transformers neither keeps GGUF blocks (not trainable) nor marks the model as quantized (which makes
+`save_pretrained` refuse), so every checkpoint written from it is an ordinary safetensors folder.
 
 The tiny model is an ordinary transformers model (Llama by default; GPT-2 and Qwen2 for tests) with a
 byte-level BPE tokenizer trained on the task's text, where every digit is its own token. Both are saved
@@ -85,24 +85,21 @@ def _gguf_file(local: Path) -> Path | None:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
-    """(model, tokenizer) from a GGUF file, dequantised, with transformers' quantizer mark cleared."""
+    """(model, tokenizer) from a GGUF file, dequantised to plain float weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"loading {path} needs the package(s) {', '.join(missing)}: pip install 'vineppo[gguf]'")
     kw = {"gguf_file": path.name, "dtype": dtype}
-    try:  # transformers >= 5 can keep GGUF blocks packed (not trainable); ask for plain float weights
+    try:  # transformers >= 5 keeps GGUF blocks packed where it can, marked quantized (unsaveable, not trainable)
         from transformers import GgufConfig
 
         kw["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
+    except ImportError:  # older versions always dequantise
         pass
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, **kw)
-    model.hf_quantizer = None  # the weights are float already: nothing to keep save_pretrained from writing them
-    model.config.__dict__.pop("quantization_config", None)
-    return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(path.parent, **kw), tokenizer
 
 
 def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
