@@ -37,6 +37,7 @@ import time
 import torch
 
 from vineppo.engine import Engine, SamplingParams
+from vineppo.models import seeded_generator
 
 K = 9
 N_PROMPTS = 64
@@ -96,7 +97,7 @@ def model_setup(path, seed=0, n_prompts=N_PROMPTS, max_new=256):
     split = task.split_steps
     params = SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=max_new, stop=tuple(task.stop))
     eng = Engine(model, tok)
-    g = torch.Generator().manual_seed(seed)
+    g = seeded_generator(model, seed)
     resp = eng.generate(prompts, 1, params, generator=g)
     seqs, bounds = [], []
     for p, r in zip(prompts, resp):
@@ -133,7 +134,7 @@ def run_native(model, tok, seqs, bounds, params, seed=0):
         lambda m, a, kw: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] == 1 else None,
         with_kwargs=True)
     try:
-        g = torch.Generator().manual_seed(seed)
+        g = seeded_generator(model, seed)
         t0 = time.perf_counter()
         out = eng.continuations(seqs, bounds, K, params, generator=g)
         dt = time.perf_counter() - t0

@@ -73,12 +73,14 @@ class FakeEngine:
     def __init__(self, alternatives=5):
         self.alternatives = alternatives
         self.calls = []
+        self.budgets = []
 
     def generate(self, prompts, n, params, generator=None, progress=None):
         return [[_sample("#### 4" if m % 2 == 0 else "#### 5") for m in range(n)] for _ in prompts]
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None):
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
         self.calls.append((len(sequences), [len(b) for b in boundaries], k))
+        self.budgets.append(budgets)
         out = []
         for seq, (b,) in zip(sequences, boundaries):
             if k == self.alternatives:
@@ -108,6 +110,8 @@ def test_analyze_on_fake_engine_hand_computed():
     assert res["states"] == 16
     # generate once; alternatives in one call (2 states x 5); ONE Monte Carlo call: 16 states + 2 x 4 live alternatives
     assert engine.calls == [(2, [1, 1], 5), (24, [1] * 24, 8 + 13)]
+    # continuations get the room their response had left: 32 at a prompt, 22 after a 10-token first step
+    assert engine.budgets == [[[32]] * 2, [[32]] * 16 + [[22]] * 8]
     # every state is the prompt, d = 4: truth 2/8; K1 uses m = 8 -> 1; K3 m = 9..11 -> 0; K9 m = 12..20 -> 3/9
     # GRPO: group mean 1/2; RLOO: 3/7 or 4/7, both |.| - 1/4 average to 1/4; the fake critic says 1/2.
     assert res["mae"] == pytest.approx({"vineppo_k1": 0.75, "vineppo_k3": 0.25, "vineppo_k9": 1 / 12,

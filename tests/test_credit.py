@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vineppo.credit import CreditContext, Episode, gae, get_estimator, step_advantages
-from vineppo.engine import Sample
+from vineppo.engine import Sample, SamplingParams
 from vineppo.ppo import pack, policy_loss, value_loss, whiten
 
 
@@ -21,47 +21,115 @@ def test_step_advantages_three_steps():
     assert step_advantages([0.5, 0.25, 1.0], 0.0) == pytest.approx([-0.25, 0.75, -1.0])
 
 
+RIGHT, WRONG = 7, 3  # continuation tokens that decode to "#### 7" and "#### 3"; response tokens (10..) decode to ""
+PARAMS = SamplingParams(max_new_tokens=64)
+
+
 class FakeEngine:
-    """Continuations whose outcome is set per (sequence, boundary): a fraction of correct texts."""
+    """Continuations whose outcome is set per (sequence, boundary): a fraction of correct texts.
+
+    It checks boundaries and budgets as the real engine does (strictly increasing, inside the sequence).
+    """
 
     def __init__(self, wins):
         self.wins = wins  # wins[i][j] = number of the k continuations that end with the right answer
         self.calls = []
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None):
-        self.calls.append((sequences, boundaries, k))
-        return [[[Sample([0], "#### 7" if m < self.wins[i][j] else "#### 3", [0.0], "stop") for m in range(k)]
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+        self.calls.append((sequences, boundaries, k, budgets))
+        for seq, bs in zip(sequences, boundaries):
+            if any(b <= a for a, b in zip([0] + bs, bs)) or bs[-1] > len(seq):
+                raise ValueError(f"boundaries must be increasing, >= 1 and <= len(sequence): {bs}")
+        return [[[_sample([RIGHT if m < self.wins[i][j] else WRONG]) for m in range(k)]
                  for j in range(len(b))] for i, b in enumerate(boundaries)]
 
 
 class FakeTokenizer:
     def decode(self, ids, skip_special_tokens=True):
-        return ""
+        return "".join({RIGHT: "#### 7", WRONG: "#### 3"}.get(i, "") for i in ids)
+
+
+def _sample(ids, reason="stop"):
+    return Sample(ids, FakeTokenizer().decode(ids), [0.0] * len(ids), reason)
+
+
+def _vine_ctx(engine, **kw):
+    return CreditContext(engine=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
+                         params=PARAMS, **kw)
 
 
 def test_vine_three_step_response():
     ep = _ep(1.0, n_tokens=6, steps=[(0, 2), (2, 5), (5, 6)])
     engine = FakeEngine([[2, 1, 4]])  # K=4: V = 0.5, 0.25, 1.0
-    ctx = CreditContext(engine=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)), mc_k=4)
-    credit = get_estimator("vine")([ep], ctx)
+    credit = get_estimator("vine")([ep], _vine_ctx(engine, mc_k=4))
     assert engine.calls[0][1] == [[2, 4, 7]]  # prompt length 2 + step starts 0, 2, 5
     assert credit.advantages[0].tolist() == pytest.approx([-0.25, -0.25, 0.75, 0.75, 0.75, 0.0])
     assert credit.stats["mc/states"] == 3 and credit.stats["mc/continuations"] == 12
+
+
+def test_vine_estimates_a_state_shared_by_responses_once():
+    # Two responses to one prompt share the prompt state and their first step (tokens 10, 11); the third
+    # differs after the prompt. Distinct prefixes: prompt, [10, 11] (shared), [10, 11, 12, 13], [20, 21].
+    a = _ep(1.0, n_tokens=6, steps=[(0, 2), (2, 4), (4, 6)])
+    b = _ep(0.0, n_tokens=4, steps=[(0, 2), (2, 4)])
+    c = Episode([1, 2], [20, 21, 22], "", 0.0, 0, "7", [(0, 2), (2, 3)])
+    engine = FakeEngine([[2, 1, 4], [0]])  # per called sequence (a, c); K=4: V(prompt)=0.5, V([10,11])=0.25, V(a's 3rd)=1, V([20,21])=0
+    credit = get_estimator("vine")([a, b, c], _vine_ctx(engine, mc_k=4))
+    assert engine.calls[0][1] == [[2, 4, 6], [4]]  # b runs nothing; c only its own second state
+    assert credit.advantages[1].tolist() == pytest.approx([-0.25, -0.25, -0.25, -0.25])  # 0.25-0.5, 0-0.25
+    assert credit.advantages[2].tolist() == pytest.approx([-0.5, -0.5, 0.0])
+    assert credit.stats["mc/states"] == 4 and credit.stats["mc/states_shared"] == 7
 
 
 def test_vine_state_cap_uses_reward_and_truncated_continuations_score_zero():
     ep = _ep(1.0, n_tokens=3, steps=[(0, 1), (1, 2), (2, 3)])
 
     class Truncating(FakeEngine):
-        def continuations(self, sequences, boundaries, k, params, generator=None, progress=None):
+        def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
             out = super().continuations(sequences, boundaries, k, params)
             return [[[Sample(s.token_ids, s.text, s.logprobs, "length") for s in st] for st in seq] for seq in out]
 
-    ctx = CreditContext(engine=Truncating([[2, 2]]), tokenizer=FakeTokenizer(),
-                        grade=lambda t, a: float(t.endswith(a)), mc_k=2, mc_max_states=2)
-    adv = get_estimator("vine")([ep], ctx).advantages[0]
+    adv = get_estimator("vine")([ep], _vine_ctx(Truncating([[2, 2]]), mc_k=2, mc_max_states=2)).advantages[0]
     # V = [0 (truncated), 0 (truncated), 1.0 (past the cap: the reward)] -> A = [0, 1, 0]
     assert adv.tolist() == pytest.approx([0.0, 1.0, 0.0])
+
+
+def test_empty_steps_do_not_crash_vine():
+    # Steps 1 and 3 are empty (a token spans them): steps 1 and 2 start at the same token, a state estimated once;
+    # step 3 starts at the response's end, the finished response, whose value is its reward.
+    ep = _ep(1.0, n_tokens=5, steps=[(0, 2), (2, 2), (2, 5), (5, 5)])
+    engine = FakeEngine([[2, 1]])  # K=4: V(offset 0) = 0.5, V(offset 2) = 0.25
+    credit = get_estimator("vine")([ep], _vine_ctx(engine, mc_k=4))
+    assert engine.calls[0][1] == [[2, 4]]  # one state per distinct position, none at the end
+    # values per step [0.5, 0.25, 0.25, 1.0] -> A = [-0.25, 0, 0.75, 0]; they sum to r - V(s0) over the tokens' steps
+    assert credit.advantages[0].tolist() == pytest.approx([-0.25, -0.25, 0.75, 0.75, 0.75])
+    assert credit.stats["mc/states"] == 2 and credit.stats["mc/continuations"] == 8
+
+
+class BudgetEngine:
+    """Every continuation writes the right answer in 4 tokens; with a smaller budget it is cut off ("length")."""
+
+    def __init__(self):
+        self.budgets = None
+
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+        self.budgets = budgets or [[params.max_new_tokens] * len(b) for b in boundaries]
+        answer = [0, 0, 0, RIGHT]
+        return [[[_sample(answer[:n], "stop" if n >= 4 else "length") for _ in range(k)] for n in per]
+                for per in self.budgets]
+
+
+def test_mc_continuations_get_only_the_remaining_budget():
+    # A 10-token response sampled with max_new_tokens = 12: from offset 9 a continuation has 3 tokens left, too
+    # few for the 4-token right answer, so that state is worth 0 (a continuation with 12 fresh tokens would win).
+    ep = _ep(1.0, n_tokens=10, steps=[(0, 4), (4, 9), (9, 10)])
+    engine = BudgetEngine()
+    ctx = CreditContext(engine=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
+                        params=SamplingParams(max_new_tokens=12), mc_k=2)
+    adv = get_estimator("vine")([ep], ctx).advantages[0]
+    # V = [1, 1, 0]: A = [0, -1, 1]
+    assert adv.tolist() == pytest.approx([0.0] * 4 + [-1.0] * 5 + [1.0])
+    assert engine.budgets == [[12, 8, 3]]  # max_new_tokens less the response tokens before each state
 
 
 def test_grpo_and_rloo_on_a_known_group():
@@ -131,3 +199,47 @@ def test_whiten():
     flat = torch.cat(out)
     assert flat.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert flat.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def _sentencepiece_tokenizer():
+    """A SentencePiece-style tokenizer: words carry a leading "▁" that decode turns into a space, except at the start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "<unk>", "▁The", "▁answer", "▁is", "▁####", "▁1", "▁000"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
+
+
+class ReplayEngine:
+    """Every continuation from a boundary is the rest of the sequence itself: each state's value is the response's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+        def rest(seq, b):
+            return Sample(seq[b:], self.tokenizer.decode(seq[b:], skip_special_tokens=True), [0.0] * (len(seq) - b),
+                          "stop")
+        return [[[rest(seq, b)] * k for b in bs] for seq, bs in zip(sequences, boundaries)]
+
+
+def test_step_join_with_sentencepiece_tokenizer():
+    from vineppo.analysis import Node, rollout_rewards
+    from vineppo.grading import grade_gsm8k
+
+    tok = _sentencepiece_tokenizer()
+    prompt = tok("The", add_special_tokens=False)["input_ids"]
+    response = tok("answer is #### 1 000", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    text = tok.decode(response, skip_special_tokens=True)
+    assert text == "answer is #### 1 000" and tok.decode(response[4:], skip_special_tokens=True) == "000"
+    reward = grade_gsm8k(text, "1000")  # "1 000" is no number the grader reads: 0
+    # A step boundary between "▁1" and "▁000": decode(prefix) + continuation text would read "#### 1000" (right).
+    ep = Episode(prompt, response, text, reward, 0, "1000", steps=[(0, 4), (4, 6)])
+    ctx = CreditContext(engine=ReplayEngine(tok), tokenizer=tok, grade=grade_gsm8k, params=PARAMS, mc_k=2)
+    credit = get_estimator("vine")([ep], ctx)
+    assert credit.advantages[0].tolist() == [0.0] * len(response)  # every state replays the response: V = its reward
+    node = Node(prompt + response, len(prompt) + 4, len(prompt), "1000")
+    assert rollout_rewards(ReplayEngine(tok), tok, grade_gsm8k, [node], 2, PARAMS, None) == [[reward, reward]]

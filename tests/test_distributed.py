@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -107,3 +108,31 @@ def test_killed_two_process_run_resumes_on_one(tiny_sft, tmp_path):
     rows = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3]
     assert json.loads((out / "summary.json").read_text())["iterations"] == 3
+
+
+def test_device_auto_on_single_gpu(monkeypatch):
+    """--device auto on a machine with CUDA resolves to a CUDA device, in one place, for every command."""
+    import vineppo.distributed as dist
+    from vineppo.errors import UserError
+    from vineppo.models import pick_device
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []  # nothing may touch a real GPU: these record what would have happened
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist.tdist, "init_process_group", lambda backend: calls.append(("group", backend)))
+    assert pick_device("auto") == pick_device(None) == torch.device("cuda")
+    assert dist.init("auto") == torch.device("cuda", 0)  # one GPU, no torchrun
+    assert dist.init("cuda:1") == torch.device("cuda", 1)
+    assert dist.init("cpu") == torch.device("cpu")
+    assert calls == []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert dist.init("auto") == torch.device("cuda", 1)  # under torchrun: this rank's GPU, NCCL
+    assert calls == [("set_device", torch.device("cuda", 1)), ("group", "nccl")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RANK")
+    assert dist.init("auto") == torch.device("cpu")
+    with pytest.raises(UserError, match="CUDA is not available"):
+        dist.init("cuda")

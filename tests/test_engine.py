@@ -387,3 +387,27 @@ def test_continuations_logprobs_under_a_small_budget(llama, tok):
                     lg = llama(torch.tensor([s[:b] + x.token_ids])).logits[0, b - 1 : -1].float()
                 ref = torch.log_softmax(lg, -1).gather(1, torch.tensor(x.token_ids).view(-1, 1)).view(-1)
                 assert torch.allclose(torch.tensor(x.logprobs), ref, atol=1e-4)
+
+
+def test_continuations_honour_per_row_budgets(llama, tok):
+    """Each boundary's continuations stop at its own budget: greedy, they are the unbounded ones cut there."""
+    prompts = _prompts([5, 12, 8, 17], seed=41)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    resp = Engine(llama, tok).generate(prompts, 1, params)
+    seqs = [p + r[0].token_ids for p, r in zip(prompts, resp)]
+    bounds = [[len(p), len(p) + 3] for p in prompts]
+    budgets = [[12, 9] if i % 2 else [2, 1] for i in range(len(prompts))]
+    free = Engine(llama, tok).continuations(seqs, bounds, 2, params)
+    for token_budget in (1 << 20, 60):  # one batch; and rows refilled in place and rebuilt under a small budget
+        cut = Engine(llama, tok, token_budget=token_budget).continuations(seqs, bounds, 2, params, budgets=budgets)
+        for f_row, c_row, b_row in zip(free, cut, budgets):
+            for f_samples, c_samples, n in zip(f_row, c_row, b_row):
+                for f, c in zip(f_samples, c_samples):
+                    assert c.token_ids == f.token_ids[:n]
+                    assert c.finish_reason == (f.finish_reason if len(f.token_ids) <= n else "length")
+                    assert c.logprobs == pytest.approx(f.logprobs[:n], abs=1e-5)
+    assert any(len(f.token_ids) > 2 for row in free[::2] for x in row for f in x)  # the budgets did cut something
+    with pytest.raises(ValueError, match="budgets"):
+        Engine(llama, tok).continuations(seqs[:1], bounds[:1], 1, params, budgets=[[0, 5]])
+    with pytest.raises(ValueError, match="budgets"):
+        Engine(llama, tok).continuations(seqs[:1], bounds[:1], 1, params, budgets=[[13, 5]])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vineppo.grading import (MATH_TIMEOUT, grade_gsm8k, grade_math, gsm8k_answer, last_boxed, lenient_answer,
+from vineppo.grading import (MATH_TIMEOUT, extract_gsm8k, grade_gsm8k, grade_math, last_boxed, lenient_answer,
                              lenient_gsm8k, lenient_math, math_equal)
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -138,7 +138,7 @@ def test_grade_math_from_threads():
 def test_lenient_gsm8k_reads_what_strict_does_not(completion, answer, strict, lenient, parsable):
     assert grade_gsm8k(completion, answer) == strict
     assert lenient_gsm8k(completion, answer) == lenient
-    assert (gsm8k_answer(completion) is not None) == parsable
+    assert (extract_gsm8k(completion) is not None) == parsable
 
 
 def test_lenient_math():

@@ -14,7 +14,7 @@ from vineppo.tasks import Example, Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
 ARITH = get_task("arith")
-MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps,
+MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps, extract=ARITH.extract,
                      load=lambda split, path=None, seed=0: load_arith(split, path, seed, size=256 if split == "train" else 6)))
 EMPTY = register(Task(name="arith-empty", grade=ARITH.grade, split_steps=ARITH.split_steps,
                       load=lambda split, path=None, seed=0: []))
@@ -117,3 +117,75 @@ def test_first_error_step():
     assert first_error_step(ex, " 12 + 5 = 17\n17 - 3 = 14\n#### 14") == (1, "operator")
     assert first_error_step(ex, " 12 + 5 = 17\n#### 17") == (1, "stopped early")
     assert first_error_step(ex, " 12 + 5 = 17\n17 * 3 = 51\n#### 50") == (2, "answer")
+
+
+def test_eval_records_finish_reason_and_parsable(tiny_sft):
+    model, tok = load_model(tiny_sft, verbose=False)
+    exs = ARITH.load("test", None, 0)[:6]
+    cut = evaluate(model, tok, ARITH, exs, samples=2, max_new_tokens=3, seed=1)  # too short for any answer line
+    for row in cut["results"]:
+        assert row["sample_finish"] == ["length", "length"] and row["greedy_finish"] == "length"
+    assert cut["parsable"] == 0.0
+    res = evaluate(model, tok, ARITH, exs, samples=3, max_new_tokens=64, seed=1)
+    reasons = [f for row in res["results"] for f in row["sample_finish"] + [row["greedy_finish"]]]
+    assert set(reasons) <= {"stop", "length"} and "stop" in reasons
+    for row in res["results"]:
+        assert len(row["sample_finish"]) == 3
+        assert all(not ok for ok, f in zip(row["sample_correct"], row["sample_finish"]) if f == "length")
+    texts = [t for row in res["results"] for t in row["sample_texts"] + [row["greedy_text"]]]
+    assert res["parsable"] == sum(ARITH.extract(t) is not None for t in texts) / len(texts) > 0
+
+
+def test_strict_extractors():
+    from vineppo.grading import extract_gsm8k, extract_math
+
+    assert extract_gsm8k("12 + 3 = 15\n#### 15") == "15" and extract_gsm8k("#### $1,000.") == "$1,000."
+    assert extract_gsm8k("#### 2\n#### fifteen") is None and extract_gsm8k("15") is None
+    assert extract_math("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
+    assert extract_math("\\boxed{}") is None and extract_math("\\boxed{3") is None and extract_math("3") is None
+    assert get_task("gsm8k").extract is extract_gsm8k and get_task("math").extract is extract_math
+
+
+def test_generators_on_model_device(tiny, monkeypatch):
+    """evaluate samples with generators made on the model's device (a CPU generator would send GPU
+    probabilities to the host every step)."""
+    from vineppo.engine import Engine
+
+    model, tok = load_model(tiny, verbose=False)
+    made, used, real_generator, real_generate = [], [], torch.Generator, Engine.generate
+
+    def spy(*args, **kw):
+        made.append(kw.get("device", args[0] if args else None))
+        return real_generator(*args, **kw)
+
+    def generate(self, prompts, n, params, generator=None, progress=None):
+        used.append(generator.device)
+        return real_generate(self, prompts, n, params, generator, progress)
+
+    monkeypatch.setattr(torch, "Generator", spy)
+    monkeypatch.setattr(Engine, "generate", generate)
+    evaluate(model, tok, MINI, MINI.load("test", None, 0)[:2], samples=2, max_new_tokens=8)
+    assert len(made) == 2 and all(d is not None and torch.device(d) == model.device for d in made), \
+        f"generators made with device={made}, not the model's {model.device}"
+    assert used == [model.device] * 2
+
+
+def test_sft_help_states_current_defaults(capsys):
+    import re
+
+    from vineppo.sft import PRETRAINED_DEFAULTS, TINY_DEFAULTS
+
+    with pytest.raises(SystemExit):
+        cli.main(["sft", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, key in (("--epochs", "epochs"), ("--lr", "lr"), ("--batch-size", "batch_size"), ("--warmup", "warmup")):
+        m = re.search(re.escape(flag) + r" [A-Z_]+ [^()]*\(tiny: ([^,]+), pretrained: ([^)]+)\)", text)
+        assert m, f"{flag}: no defaults in the help text"
+        assert (float(m[1]), float(m[2])) == (TINY_DEFAULTS[key], PRETRAINED_DEFAULTS[key]), flag
+
+
+def test_sft_prints_progress_lines_when_output_is_not_a_terminal(tmp_path, capsys):
+    run_sft("arith-mini", out=tmp_path / "m", max_steps=40, batch_size=16, device="cpu", progress=True, **SIZE)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("sft: step")]
+    assert len(lines) == 20 and lines[-1].startswith("sft: step 40/40 (100%)")
+    assert "tok/s" in lines[0] and "left" in lines[0]

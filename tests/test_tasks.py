@@ -106,7 +106,7 @@ def test_math_jsonl_errors(tmp_path):
 def test_unreachable_hub_fails_fast(monkeypatch):
     for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(data_mod, "hub_reachable", lambda *a, **k: False)
+    monkeypatch.setattr(data_mod, "reachable", lambda *a, **k: False)
     with pytest.raises(UserError, match="--data PATH") as err:
         get_task("gsm8k").load("test", None, 0)
     assert "\n" not in str(err.value)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vineppo import cli
 from vineppo import config as configs
+from vineppo.credit import Episode
 from vineppo.errors import UserError
+from vineppo.tasks import Task, get_task, register
 from vineppo.train import train
 
 SMALL = dict(prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, mc_k=2, mc_max_states=4, minibatch=8,
@@ -101,3 +105,102 @@ def test_out_folder_holding_a_run_is_refused(tiny_sft, tmp_path):
     train(_cfg(tiny_sft, out, algo="rloo", iterations=1, eval_problems=0))
     with pytest.raises(UserError, match="--resume"):
         train(_cfg(tiny_sft, out, algo="rloo", iterations=1, eval_problems=0))
+
+
+def test_dropout_off_in_rl_update(tiny_sft, tmp_path, monkeypatch):
+    """A model configured with dropout: the first minibatch's ratios are 1 and the first iteration's KL is 0."""
+    model = tmp_path / "with-dropout"
+    shutil.copytree(tiny_sft, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    import vineppo.ppo as ppo
+
+    ratios, real = [], ppo.policy_loss
+
+    def spy(logp, old_logp, ref_logp, advantages, mask, *args, **kw):
+        ratios.append(torch.exp(logp - old_logp).detach()[mask.bool()])
+        return real(logp, old_logp, ref_logp, advantages, mask, *args, **kw)
+
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    out = tmp_path / "run"  # one optimiser step per iteration, so the logged KL is measured before it
+    train(_cfg(model, out, algo="ppo", iterations=1, epochs=1, minibatch=16, micro_batch=8, eval_problems=0))
+    off = (torch.cat(ratios[:2]) - 1).abs().max().item()  # the two micro-batches of the first minibatch
+    assert off < 1e-6, f"first-minibatch ratios differ from 1 by up to {off}: dropout is on"
+    kl = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["kl"]
+    assert kl < 1e-6, f"KL to the reference before any step is {kl}: dropout is on"
+
+
+def _main(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    return e.value.code
+
+
+def test_train_without_config_uses_the_task_preset(tiny_sft, tmp_path, monkeypatch, capsys):
+    import vineppo.train as train_mod
+
+    seen = []
+    monkeypatch.setattr(train_mod, "train", lambda cfg, resume=None: seen.append(cfg) or {"out": "x"})
+    for task, preset in (("gsm8k", "gsm8k"), ("math", "math"), ("arith", "arith-tiny")):
+        assert _main(["train", "--task", task, "--json"]) == 0
+        want, got = configs.resolve(configs.load_preset(preset), {}), seen[-1]
+        assert (got.task, got.lr, got.max_new_tokens) == (task, want.lr, want.max_new_tokens), \
+            f"--task {task} without --config did not run with preset {preset}"
+        assert got.preset == preset
+    assert _main(["train", "--task", "gsm8k", "--config", "arith-tiny", "--json"]) == 0
+    assert (seen[-1].task, seen[-1].lr, seen[-1].preset) == ("gsm8k", 3e-5, "arith-tiny")  # --config wins
+    register(Task(name="arith-no-preset", load=get_task("arith").load, grade=get_task("arith").grade,
+                  split_steps=get_task("arith").split_steps))
+    assert _main(["train", "--task", "arith-no-preset"]) == 2
+    assert "--config" in capsys.readouterr().err
+    monkeypatch.undo()
+    # a real run records the preset in config.yaml and names it in its first line
+    out = tmp_path / "run"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**SMALL, "eval_problems": 0}.items()]
+    assert _main(["train", "--model", str(tiny_sft), "--out", str(out), "--iterations=1", "--algo=grpo", *flags]) == 0
+    assert configs.load(out / "config.yaml").preset == "arith-tiny"
+    assert "preset arith-tiny" in capsys.readouterr().err.strip().splitlines()[0]
+
+
+def test_batch_without_signal_warns_once(tiny_sft, tmp_path, capsys):
+    arith = get_task("arith")
+    register(Task(name="arith-never-right", load=arith.load, grade=lambda text, answer: 0.0,
+                  split_steps=arith.split_steps))
+    out = tmp_path / "run"
+    train(_cfg(tiny_sft, out, task="arith-never-right", algo="grpo", iterations=4, eval_problems=0))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/mixed_prompts"] for r in rows] == [0.0] * 4
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1  # once per run, after NO_SIGNAL_ITERATIONS iterations
+    line = next(ln for ln in err.splitlines() if "warning:" in ln)
+    assert "grader" in line and "--max-new-tokens" in line
+    # and the fraction itself: prompt 0 mixed, prompt 1 all right, prompt 2 all wrong
+    from vineppo.train import _mixed_prompts
+
+    eps = [Episode([1], [2], "", r, g, "7", [(0, 1)]) for g, r in ((0, 1.0), (0, 0.0), (1, 1.0), (1, 1.0), (2, 0.0))]
+    assert _mixed_prompts(eps) == 1
+
+
+def _group_ep(group: int, reward: float) -> Episode:
+    return Episode([1], [2], "", reward, group, "1", [(0, 1)])
+
+
+def test_oversampling_keeps_prompts_with_mixed_outcomes_first():
+    from vineppo.train import _informative
+
+    # 5 drawn prompts, 2 responses each: prompts 1 and 3 are mixed, 0, 2 and 4 are not.
+    rewards = {0: (1, 1), 1: (0, 1), 2: (0, 0), 3: (1, 0), 4: (1, 1)}
+    episodes = [_group_ep(g, r) for g, pair in rewards.items() for r in pair]
+    kept = _informative(episodes, 3)
+    # mixed prompts 1 and 3 first, then the first uniform one (0), renumbered 0, 1, 2 in that order
+    assert [(ep.group, ep.reward) for ep in kept] == [(2, 1), (2, 1), (0, 0), (0, 1), (1, 1), (1, 0)]
+    assert len(_informative(episodes, 1)) == 2 and {ep.group for ep in _informative(episodes, 1)} == {0}
+
+
+def test_oversampled_run_updates_on_the_kept_prompts(tiny_sft, tmp_path):
+    torch.set_num_threads(1)
+    train(_cfg(tiny_sft, tmp_path / "run", iterations=1, oversample=3, eval_problems=0))
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["episodes"] == 3 * 16  # every drawn prompt's responses are sampled and graded ...
+    assert row["mc/states_shared"] <= 16 * SMALL["mc_max_states"]  # ... the Monte Carlo runs on the 4 kept prompts
+    assert 0.0 <= row["train/kept_mixed_prompts"] <= 1.0

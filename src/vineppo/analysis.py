@@ -20,6 +20,10 @@ The paper's two diagnostics (section 7), on states the policy itself visits:
    terminal state: every estimator that looks at the state (VinePPO, the critic) gets its reward, which is
    what PPO's advantage r + V(s') = r uses too.
 
+As in training, a continuation from a state may add only the tokens its response had left
+(`--max-new-tokens` less the state's response tokens; cut off: reward 0), and it is graded as the decode
+of the whole token sequence (response prefix + continuation).
+
 The ground truth is itself a Monte Carlo mean: with 256 rollouts its standard error is at most
 0.5 / 16 = 0.031, so small MAEs (VinePPO K = 9) include that noise floor.
 """
@@ -37,10 +41,12 @@ from typing import Callable
 
 import torch
 
+from vineppo import config as configs
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
-from vineppo.grading import outcome_reward
+from vineppo.grading import continuation_reward, outcome_reward
 from vineppo.prompts import HELP, Prompter
+from vineppo.runs import make_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
@@ -110,6 +116,10 @@ class Node:
     answer: str
     terminal: float | None = None
 
+    def room(self, max_new_tokens: int) -> int:
+        """New tokens a continuation may add: what the response it is a prefix of had left (as in training)."""
+        return max_new_tokens - (self.boundary - self.prompt_len)
+
 
 def sample_states(engine, prompter: Prompter, task, examples: list, n_states: int, params: SamplingParams,
                   generator: torch.Generator, rng: random.Random) -> list[dict]:
@@ -125,7 +135,9 @@ def sample_states(engine, prompter: Prompter, task, examples: list, n_states: in
         for m, s in enumerate(samples):
             steps = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
             t = rng.randrange(len(steps))
-            node = Node(prompt + list(s.token_ids), len(prompt) + steps[t][0], len(prompt), ex.answer)
+            # an empty last step starts at the response's end: the state is the finished response
+            finished = rewards[m] if steps[t][0] == len(s.token_ids) else None
+            node = Node(prompt + list(s.token_ids), len(prompt) + steps[t][0], len(prompt), ex.answer, finished)
             states.append({"node": node, "problem": ex.id, "t": t, "steps": len(steps), "reward": rewards[m],
                            **group_baselines(rewards, m)})
     return states[:n_states]
@@ -136,10 +148,11 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
     """For each state, n_alt sampled next steps (continuations cut after their first step) as new states."""
     if not nodes:
         return []
-    conts = engine.continuations([n.seq for n in nodes], [[n.boundary] for n in nodes], n_alt, params, generator)
+    conts = engine.continuations([n.seq for n in nodes], [[n.boundary] for n in nodes], n_alt, params, generator,
+                                 budgets=[[n.room(params.max_new_tokens)] for n in nodes])
     out = []
     for node, (samples,) in zip(nodes, conts):
-        prefix = _prefix_text(tokenizer, node)
+        prefix = node.seq[node.prompt_len:node.boundary]
         alts = []
         for s in samples:
             ranges = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
@@ -149,17 +162,11 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
                 continue
             if end >= len(s.token_ids):  # the first step is the whole continuation: the response ends there
                 alts.append(Node(state, len(state), node.prompt_len, node.answer,
-                                 terminal=outcome_reward(task.grade, prefix + s.text, node.answer, s.finish_reason)))
+                                 terminal=continuation_reward(task.grade, tokenizer, prefix, s, node.answer)))
             else:
                 alts.append(Node(state, len(state), node.prompt_len, node.answer))
         out.append(alts)
     return out
-
-
-def _prefix_text(tokenizer, node: Node) -> str:
-    # Boundaries fall between characters, so the prefix decoded once + a continuation's text is the full text
-    # (the same convention as the `vine` estimator).
-    return tokenizer.decode(node.seq[node.prompt_len:node.boundary], skip_special_tokens=True)
 
 
 def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes: list[Node], k: int,
@@ -168,11 +175,12 @@ def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes
     """k continuation rewards per state from ONE batched engine job; a terminal state gets its reward k times."""
     live = [i for i, n in enumerate(nodes) if n.terminal is None]
     conts = engine.continuations([nodes[i].seq for i in live], [[nodes[i].boundary] for i in live], k, params,
-                                 generator, progress) if live else []
+                                 generator, progress,
+                                 budgets=[[nodes[i].room(params.max_new_tokens)] for i in live]) if live else []
     out = [[n.terminal] * k if n.terminal is not None else None for n in nodes]
     for i, (samples,) in zip(live, conts):
-        prefix = _prefix_text(tokenizer, nodes[i])
-        out[i] = [outcome_reward(grade, prefix + s.text, nodes[i].answer, s.finish_reason) for s in samples]
+        prefix = nodes[i].seq[nodes[i].prompt_len:nodes[i].boundary]
+        out[i] = [continuation_reward(grade, tokenizer, prefix, s, nodes[i].answer) for s in samples]
     return out
 
 
@@ -189,7 +197,8 @@ def analyze(engine, tokenizer, task, examples: list, states: int = 64, gt_k: int
     params = SamplingParams(TEMPERATURE, TOP_P, max_new_tokens, tuple(task.stop))
     t0 = time.perf_counter()
     picked = sample_states(engine, prompter or Prompter(task, tokenizer), task, examples, states, params, gen, rng)
-    ranked = sorted(rng.sample(range(len(picked)), min(ranking_states, len(picked))))
+    live = [i for i, s in enumerate(picked) if s["node"].terminal is None]  # a finished response has no next step
+    ranked = sorted(rng.sample(live, min(ranking_states, len(live))))
     alts = sample_alternatives(engine, tokenizer, task, [picked[i]["node"] for i in ranked], alternatives, params, gen)
 
     # One Monte Carlo job for every state and every alternative: the engine batches and shares prefixes.
@@ -365,13 +374,16 @@ def run(args: argparse.Namespace) -> int:
     from vineppo.tracking import console as err_console
     from vineppo.tracking import progress_bar
 
+    configs.check_flags(vars(args), dict(states=configs.AT_LEAST_1, gt_k=configs.AT_LEAST_1,
+                                         ranking_states=configs.AT_LEAST_0, max_new_tokens=configs.AT_LEAST_1))
     ranking_states = args.ranking_states if args.ranking_states is not None else math.ceil(args.states / 5)
-    if args.states < 1 or args.gt_k < 1 or ranking_states < 0:
-        raise UserError("--states and --gt-k must be >= 1 and --ranking-states >= 0")
     if ranking_states and args.alternatives < 2:
         raise UserError("--alternatives must be >= 2 to rank steps (or pass --ranking-states 0)")
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be >= 1")
+    if args.token_budget <= args.max_new_tokens:
+        raise UserError(f"--token-budget: smaller than one row (a prompt plus --max-new-tokens {args.max_new_tokens} "
+                        f"tokens), got {args.token_budget}")
+    out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
+    make_folder(out, f"--out {out}")
     task = get_task(args.task)
     examples = task.load(args.split, args.data, args.seed)
     if not examples:
@@ -396,8 +408,6 @@ def run(args: argparse.Namespace) -> int:
                          prompter=prompter)
     result["model"], result["critic"], result["task"] = model_dir, args.critic, args.task
 
-    out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
     (out / "values.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "values.png")
     print_table(result, err_console if args.json else Console())

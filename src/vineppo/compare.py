@@ -29,22 +29,31 @@ from pathlib import Path
 from vineppo.errors import UserError
 
 PHASES = ("time/sampling_s", "time/credit_s", "time/update_s")
-RUN_NAME = re.compile(r"^(?P<algo>[\w.]+)-s(?P<seed>\d+)$")
+RUN_NAME = re.compile(r"^(?P<algo>[\w.-]+)-s(?P<seed>\d+)$")  # e.g. dpo-positive-s2
 
 
 # ------------------------------------------------------------------------------------ running
 
 
-def plan(algos: list[str], seeds: int, preset: str) -> None:
-    """Check the algorithms exist and sample the same number of responses per iteration under `preset`."""
+def plan(algos: list[str], seeds: int, preset: str, train_args: list[str] = ()) -> None:
+    """Check every run's settings (preset + --train-args) and that all sample as many responses per iteration."""
     from vineppo import config as configs
 
-    budgets = {a: (c.prompts_per_iter * c.samples_per_prompt)
-               for a in algos for c in [configs.resolve(configs.load_preset(preset), {"algo": a})]}
-    if len(set(budgets.values())) > 1:
-        raise UserError(f"preset {preset!r} gives the algorithms different sample budgets per iteration: {budgets}")
     if seeds < 1:
         raise UserError("--seeds must be >= 1")
+    parser = argparse.ArgumentParser(prog="--train-args", add_help=False, exit_on_error=False)
+    configs.add_config_arguments(parser)
+    try:
+        parsed, unknown = parser.parse_known_args(list(train_args))
+    except argparse.ArgumentError as e:
+        raise UserError(f"--train-args: {e}") from None
+    if unknown:
+        raise UserError(f"--train-args: not a training setting: {' '.join(unknown)}")
+    flags = configs.overrides_from(parsed)
+    budgets = {a: (c.prompts_per_iter * c.samples_per_prompt)
+               for a in algos for c in [configs.resolve(configs.load_preset(preset), {**flags, "algo": a}, preset)]}
+    if len(set(budgets.values())) > 1:
+        raise UserError(f"preset {preset!r} gives the algorithms different sample budgets per iteration: {budgets}")
 
 
 def train_command(run_dir: Path, algo: str, seed: int, iterations: int | None, preset: str,
@@ -174,7 +183,7 @@ def time_to_reach(run: dict, target: float) -> float | None:
 
 def summarize(runs: dict[str, dict[int, dict]]) -> dict:
     """compare.json: per algorithm, mean/std over seeds of the headline numbers, and time to PPO's best."""
-    order = ["vineppo", "ppo", "grpo", "rloo"]  # the report lists methods in this order, others after
+    order = ["vineppo", "ppo", "grpo", "rloo", "restem", "dpo-positive"]  # the report's order, others after
     runs = dict(sorted(runs.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
     ppo = runs.get("ppo")
     ppo_best = mean_std([r["summary"]["best_test_pass@1"] for r in ppo.values()])["mean"] if ppo else None
@@ -185,6 +194,8 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
         entry = {"seeds": seeds}
         for key in ("final_test_pass@1", "best_test_pass@1", "sft_test_pass@1"):
             entry[key] = mean_std([r["summary"][key] for r in rs])
+        # Runs that evaluate a validation split (RestEM) pick their model by it: its test pass@1.
+        entry["test_at_best_val_pass@1"] = mean_std([r["summary"].get("test_at_best_val_pass@1") for r in rs])
         entry["wall_clock_s"] = mean_std([r["summary"]["wall_clock_s"] for r in rs])
         entry["wall_clock_per_iteration_s"] = mean_std(
             [r["summary"]["wall_clock_s"] / r["summary"]["iterations"] for r in rs if r["summary"]["iterations"]])
@@ -222,14 +233,15 @@ def write_report(out: Path, summary: dict, unfinished: list[str]) -> None:
     best = summary["ppo_best_test_pass@1"]
     lines = ["# Comparison", "",
              "Mean ± standard deviation over seeds (sample std; 0 with one seed). Pass@1 in %. Seconds per phase "
-             "are means per iteration.", "",
+             "are means per iteration. Test at best validation: the test pass@1 of the iteration with the best "
+             "validation pass@1 (the model selection of runs that evaluate a validation split: RestEM).", "",
              "| method | seeds | final test | best test | SFT test | s / iteration | sampling s | credit s | update s "
-             "| time to PPO best |", "|" + "---|" * 10]
+             "| time to PPO best | test at best validation |", "|" + "---|" * 11]
     for algo, e in summary["algos"].items():
         lines.append(f"| {algo} | {len(e['seeds'])} | {_fmt(e['final_test_pass@1'], True)} | "
                      f"{_fmt(e['best_test_pass@1'], True)} | {_fmt(e['sft_test_pass@1'], True)} | "
                      f"{_fmt(e['wall_clock_per_iteration_s'])} | " + " | ".join(_fmt(e[p]) for p in PHASES) +
-                     f" | {_reach(e['time_to_ppo_best_s'])} |")
+                     f" | {_reach(e['time_to_ppo_best_s'])} | {_fmt(e['test_at_best_val_pass@1'], True)} |")
     lines += ["", "## Time to PPO's best test accuracy", ""]
     if best is None:
         lines.append("No PPO runs: nothing to compare against.")
@@ -303,7 +315,8 @@ def report(out: Path) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo compare`."""
-    p.add_argument("--algos", default="vineppo,ppo,grpo,rloo", help="comma-separated algorithms")
+    p.add_argument("--algos", default="vineppo,ppo,grpo,rloo",
+                   help="comma-separated algorithms: any of vineppo, ppo, grpo, rloo, restem, dpo-positive")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 for every algorithm (default 3)")
     p.add_argument("--iterations", type=int, default=None, help="RL iterations per run (default: the preset's)")
     p.add_argument("--config", default="arith-tiny", help="training preset or YAML file (default: arith-tiny)")
@@ -335,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--algos is empty")
         if args.jobs < 1 or (args.iterations is not None and args.iterations < 1):
             raise UserError("--jobs and --iterations must be >= 1")
-        plan(algos, args.seeds, args.config)
+        plan(algos, args.seeds, args.config, shlex.split(args.train_args))
         _ensure_start_model(args.config, args.train_args)
         failed = run_all(out, algos, args.seeds, args.iterations, args.config, args.jobs, shlex.split(args.train_args))
     summary = report(out)

@@ -3,14 +3,22 @@
 Precedence, lowest first: the dataclass defaults (the paper's settings for 1B-7B models), the YAML
 preset or file (`--config`), the chosen algorithm's defaults (ALGOS), the preset's `algos: {NAME: ...}`
 section for that algorithm, then `--field value` flags.
+
+Every configuration passes `validate` before anything loads: each value is coerced to its field's type
+(PyYAML reads `1e-4` as a string) or refused, then checked against its rule (RULES) and the rules that
+tie fields together (COMBINATIONS); an error names the file and key, or the flag, the value came from.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
@@ -18,19 +26,21 @@ from vineppo.errors import UserError
 
 PRESETS = Path(__file__).parent / "configs"
 
-# --algo NAME -> the estimator and the settings that make it that algorithm.
+# --algo NAME -> the settings that make it that algorithm (its update is registered in vineppo.algorithms).
 ALGOS: dict[str, dict] = {
     "vineppo": {"estimator": "vine", "gae_lambda": 0.0},
     "ppo": {"estimator": "gae", "gae_lambda": 1.0},
     "grpo": {"estimator": "grpo"},
     "rloo": {"estimator": "rloo"},
+    "restem": {"estimator": "none", "val_problems": 500},  # the best round is picked on the validation split
+    "dpo-positive": {"estimator": "none", "sample_from": "sft"},  # the paper's offline pairs, from the SFT model
 }
 
 
 @dataclass
 class TrainConfig:
-    algo: str = "vineppo"  # vineppo | ppo | grpo | rloo: picks the estimator and its defaults
-    estimator: str = "vine"  # credit estimator by registry name (set by algo)
+    algo: str = "vineppo"  # vineppo | ppo | grpo | rloo | restem | dpo-positive: picks the update and its defaults
+    estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
     data: str | None = None  # local training file for the task (None: the task's default source)
     model: str = "auto"  # SFT model: folder, .gguf file or hub id; "auto" trains/caches the task's tiny SFT model
@@ -42,6 +52,7 @@ class TrainConfig:
     iterations: int = 1000  # RL iterations (sample -> credit -> update)
     prompts_per_iter: int = 64  # prompts per iteration, drawn with replacement
     samples_per_prompt: int = 8  # responses per prompt (a group for GRPO/RLOO)
+    oversample: int = 1  # draw oversample x prompts_per_iter prompts, keep prompts_per_iter: those whose responses differ in reward first (DAPO's dynamic sampling; 1 keeps all)
     temperature: float = 0.6  # sampling temperature; log-probs use logits / temperature too
     top_p: float = 0.9  # nucleus sampling
     max_new_tokens: int = 1024  # response length cap; a truncated response gets reward 0
@@ -60,10 +71,16 @@ class TrainConfig:
     value_clip: float = 0.2  # PPO critic value clip
     kl_coef: float = 1e-4  # weight of the k3 KL to the frozen SFT reference
     whiten_advantages: bool = True  # normalise advantages over the batch
+    sample_from: str = "policy"  # policy | sft: the model that samples each iteration (sft: DPO+'s offline setting)
+    restem_keep: int = 10  # RestEM: correct responses kept per question and round (the paper: at most 10)
+    dpo_pairs: int = 8  # DPO+: (correct, incorrect) pairs per prompt, drawn from all such pairs of its responses
+    dpo_beta: float = 0.1  # DPO+: beta, the scale of the implicit reward
+    dpo_lambda: float = 50.0  # DPO+: lambda, the weight of the penalty on the chosen response's likelihood falling
     eval_every: int = 10  # iterations between test evaluations (0: only at start and end)
     eval_split: str = "test"  # split evaluated during training
     eval_data: str | None = None  # local file for the evaluation split (None: the task's default source)
     eval_problems: int = 500  # problems evaluated (the first N of the split)
+    val_problems: int = 0  # validation problems evaluated with the test set (0: none); picks the best iteration
     eval_samples: int = 16  # samples per problem for pass@1
     eval_temperature: float = 0.35  # evaluation sampling temperature
     save_every: int = 10  # iterations between checkpoints (always one at the end)
@@ -71,6 +88,110 @@ class TrainConfig:
     token_budget: int = 65536  # engine: max rows x tokens in one decode batch
     tensorboard: bool = True  # write TensorBoard event files
     wandb: str | None = None  # Weights & Biases project name (None: off)
+    preset: str | None = None  # the preset or YAML file the settings came from (recorded; set by --config)
+
+
+# A rule: (test, what a value must be). Tests see values already coerced to the field's type; NaN fails them all.
+Rule = tuple[Callable[[Any], bool], str]
+AT_LEAST_0: Rule = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_1: Rule = (lambda v: v >= 1, "must be >= 1")
+POSITIVE: Rule = (lambda v: 0 < v < math.inf, "must be > 0 and finite")
+NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "must be >= 0 and finite")
+FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be between 0 and 1")
+TOP_P: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
+
+RULES: dict[str, Rule] = {
+    "algo": (lambda v: v in ALGOS, f"must be one of {', '.join(ALGOS)}"),
+    "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "must be auto, cpu, cuda or cuda:N"),
+    "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1, "oversample": AT_LEAST_1,
+    "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),
+    "top_p": TOP_P, "max_new_tokens": AT_LEAST_1, "mc_k": AT_LEAST_1, "mc_max_states": AT_LEAST_1,
+    "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
+    "micro_batch": AT_LEAST_1, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
+    "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
+    "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
+    "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
+    "token_budget": AT_LEAST_1, "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
+    "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,
+    "val_problems": AT_LEAST_0,
+}
+
+# Rules over several fields: (the field an error names, test, what must hold).
+COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
+    ("samples_per_prompt", lambda c: c.estimator not in ("grpo", "rloo") or c.samples_per_prompt >= 2,
+     lambda c: f"{c.algo} compares the responses to one prompt and needs at least 2 (with 1 every advantage is 0)"),
+    ("samples_per_prompt", lambda c: c.algo != "dpo-positive" or c.samples_per_prompt >= 2,
+     lambda c: "dpo-positive pairs responses to one prompt and needs at least 2"),
+    ("sample_from", lambda c: c.sample_from == "policy" or c.estimator == "none",
+     lambda c: f"{c.algo} learns on-policy (its update and credit assume its own samples); sft is for dpo-positive "
+               f"or restem"),
+    ("token_budget", lambda c: c.token_budget > c.max_new_tokens,
+     lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
+]
+
+
+def validate(cfg: TrainConfig | dict, origin: dict[str, str] | None = None) -> TrainConfig:
+    """A TrainConfig from coerced, range-checked settings; a UserError names the file and key (origin) or the flag."""
+    values = dataclasses.asdict(cfg) if isinstance(cfg, TrainConfig) else dict(cfg)
+    where = {f.name: _flag(f.name) for f in fields(TrainConfig)} | (origin or {})
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
+    for key in values:
+        if key not in kinds:
+            raise UserError(f"{where.get(key, key)}: unknown setting")
+    out = TrainConfig(**{k: _coerce(v, kinds[k], where[k]) for k, v in values.items()})
+    for key, rule in RULES.items():
+        check(getattr(out, key), rule, where[key])
+    for key, test, must in COMBINATIONS:
+        if not test(out):
+            raise UserError(f"{where[key]}: {must(out)}, got {_show(getattr(out, key))}")
+    return out
+
+
+def check(value: Any, rule: Rule, where: str) -> None:
+    """Refuse a value that breaks its rule, in one line: '--lr: must be > 0 and finite, got -1'."""
+    if value is not None and not rule[0](value):
+        raise UserError(f"{where}: {rule[1]}, got {_show(value)}")
+
+
+def check_flags(values: dict[str, Any], rules: dict[str, Rule]) -> None:
+    """Check the command-line values named in `rules` (None: not given); an error names the flag."""
+    for name, rule in rules.items():
+        check(values.get(name), rule, _flag(name))
+
+
+def _coerce(value: Any, kind: str, where: str) -> Any:
+    """`value` as the field type `kind` ('int', 'float', 'bool', 'str', 'str | None'), or a UserError."""
+    base = kind.split(" ")[0]
+    if value is None and kind.endswith("| None"):
+        return None
+    if isinstance(value, _TYPES[base]) and not (base == "int" and isinstance(value, bool)):  # True is an int
+        return value
+    if base == "bool" and isinstance(value, str) and value.lower() in _BOOLS:
+        return _BOOLS[value.lower()]
+    if base in ("int", "float") and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)  # PyYAML reads 1e-4 (no dot) as the string "1e-4"
+        except ValueError:
+            raise UserError(f"{where}: expected a number, got {_show(value)}") from None
+        if base == "float":
+            return number
+        if number.is_integer():
+            return int(number)
+        raise UserError(f"{where}: expected a whole number, got {_show(value)}")
+    what = {"int": "a number", "float": "a number", "bool": "true or false", "str": "text"}[base]
+    raise UserError(f"{where}: expected {what}, got {_show(value)}")
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value) if isinstance(value, int) else repr(value)
 
 
 def load_preset(name_or_path: str) -> dict:
@@ -90,24 +211,33 @@ def load_preset(name_or_path: str) -> dict:
     return data
 
 
-def resolve(preset: dict, overrides: dict) -> TrainConfig:
-    """Merge defaults, algorithm defaults, preset and overrides into a checked TrainConfig."""
+def resolve(preset: dict, overrides: dict, source: str = "config") -> TrainConfig:
+    """Merge defaults, algorithm defaults, preset and overrides into a validated TrainConfig; `source` names the preset."""
     known = {f.name for f in fields(TrainConfig)} | {"algos"}
-    for source, values in (("config", preset), ("flag", overrides)):
+    for origin, values in (("config", preset), ("flag", overrides)):
         for key in values:
             if key not in known:
-                raise UserError(f"unknown {source} setting {key!r}")
+                raise UserError(f"unknown {origin} setting {key!r}")
     algo = overrides.get("algo", preset.get("algo", TrainConfig.algo))
     if algo not in ALGOS:
         raise UserError(f"--algo {algo!r}: choose one of {', '.join(ALGOS)}")
     general = {k: v for k, v in preset.items() if k != "algos"}
-    merged = {**general, **ALGOS[algo], **(preset.get("algos") or {}).get(algo, {}), **overrides}
-    return TrainConfig(**merged)
+    sections = preset.get("algos") or {}
+    section = sections.get(algo) if isinstance(sections, dict) else None
+    if not isinstance(sections, dict) or not isinstance(section or {}, dict):
+        raise UserError(f"{source}: algos: expected a mapping of algorithm names to settings")
+    section = section or {}
+    merged = {**general, **ALGOS[algo], **section, **overrides}
+    origin = {**{k: f"{source}: {k}" for k in general}, **{k: f"--algo {algo}" for k in ALGOS[algo]},
+              **{k: f"{source}: algos: {algo}: {k}" for k in section}, **{k: _flag(k) for k in overrides}}
+    return validate(merged, origin)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One `--field-name` flag per TrainConfig field (all optional: unset flags do not override)."""
     for f in fields(TrainConfig):
+        if f.name == "preset":  # chosen with --config
+            continue
         kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                             help=_comment(f.name))
@@ -119,20 +249,25 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def save(cfg: TrainConfig, path: Path) -> None:
-    """Write the resolved configuration as YAML."""
-    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    """Write the resolved configuration as YAML (atomically: a kill mid-write leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def load(path: Path) -> TrainConfig:
-    """Read a configuration saved by `save`."""
-    return TrainConfig(**yaml.safe_load(path.read_text()))
+def load(path: Path, overrides: dict | None = None) -> TrainConfig:
+    """Read a configuration saved by `save`, with flag `overrides` on top, validated."""
+    data = load_preset(str(path))
+    origin = {k: f"{path}: {k}" for k in data} | {k: _flag(k) for k in overrides or {}}
+    return validate({**data, **(overrides or {})}, origin)
 
 
 def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in _BOOLS:
+        return _BOOLS[text.lower()]
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 

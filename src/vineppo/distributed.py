@@ -10,22 +10,20 @@ import os
 import torch
 import torch.distributed as tdist
 
+from vineppo.models import pick_device
+
 
 def init(device: str = "auto") -> torch.device:
     """Join the process group when launched by torchrun (gloo on CPU, NCCL on GPU); return this rank's device."""
-    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if use_cuda and not torch.cuda.is_available():
-        from vineppo.errors import UserError
-
-        raise UserError(f"--device {device}: CUDA is not available here; use --device cpu")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if "RANK" in os.environ and not tdist.is_initialized():
-        if use_cuda:
-            torch.cuda.set_device(local)
-        tdist.init_process_group("nccl" if use_cuda else "gloo")
-    if not use_cuda:
-        return torch.device("cpu")
-    return torch.device("cuda", local if "RANK" in os.environ else torch.device(device).index or 0)
+    dev = pick_device(device)  # the one place where "auto" and bad names are resolved
+    launched = "RANK" in os.environ
+    if dev.type == "cuda":  # under torchrun, one GPU per rank
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if launched else dev.index or 0)
+    if launched and not tdist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        tdist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dev
 
 
 def active() -> bool:
@@ -122,14 +120,15 @@ class BalancedContinuations:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None):
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
         """Same contract as Engine.continuations, computed cooperatively by every rank."""
         if not active():
             self.states_run += sum(len(b) for b in boundaries)
-            return self.engine.continuations(sequences, boundaries, k, params, generator, progress)
-        pools = all_gather_objects(list(zip(sequences, boundaries)))
+            return self.engine.continuations(sequences, boundaries, k, params, generator, progress, budgets=budgets)
+        budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in boundaries]
+        pools = all_gather_objects(list(zip(sequences, boundaries, budgets)))
         units = [(k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)
-                 for i, (seq, bs) in enumerate(pool) for j, b in enumerate(bs)]
+                 for i, (seq, bs, _) in enumerate(pool) for j, b in enumerate(bs)]
         load, mine = [0.0] * world(), []
         for cost, r, i, j in sorted(units, reverse=True):  # longest job first to the least-loaded rank
             target = min(range(world()), key=load.__getitem__)
@@ -143,7 +142,8 @@ class BalancedContinuations:
         self.states_run += len(mine)
         out = self.engine.continuations([pools[r][i][0] for r, i in keys],
                                         [[pools[r][i][1][j] for j in jobs[(r, i)]] for r, i in keys],
-                                        k, params, generator, progress)
+                                        k, params, generator, progress,
+                                        budgets=[[pools[r][i][2][j] for j in jobs[(r, i)]] for r, i in keys])
         done = {(r, i, j): samples for (r, i), per in zip(keys, out) for j, samples in zip(jobs[(r, i)], per)}
         results: dict = {}
         for part in all_gather_objects(done):

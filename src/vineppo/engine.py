@@ -5,8 +5,9 @@ INTERFACE (fixed; other modules are written against it):
     params = SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=256, stop=("\\n\\nProblem:",))
     engine = Engine(model, tokenizer, token_budget=65536)
     out = engine.generate(prompts, n=8, params=params, generator=g)   # list (per prompt) of list (n) of Sample
-    mc  = engine.continuations(sequences, boundaries, k=9, params=params, generator=g)
-          # mc[i][j] = k Samples continuing sequences[i][:boundaries[i][j]]
+    mc  = engine.continuations(sequences, boundaries, k=9, params=params, generator=g, budgets=budgets)
+          # mc[i][j] = k Samples continuing sequences[i][:boundaries[i][j]], each with at most
+          # budgets[i][j] new tokens (default: params.max_new_tokens)
 
 HOW IT WORKS
 
@@ -150,13 +151,19 @@ class _Batch:
     place, masked, until a new row takes its place (``fill``) or the batch is rebuilt.
     """
 
-    def __init__(self, dev, max_new, extra):
+    def __init__(self, dev, max_new, extra, budgets):
         self.dev, self.max_new, self.extra = dev, max_new, extra
+        self.budgets = budgets  # budgets[i][j]: new tokens allowed to the rows continuing boundary j of sequence i
         self.N = self.L = 0
         self.cache = None  # DynamicCache of _BufferLayer
         self.meta: list[tuple[int, int, int]] = []  # (seq i, boundary j, copy c) per row
         self.dead: list[int] = []  # finished rows still held, masked, until refilled or rebuilt away
-        self.mask = self.pos = self.pending = self.tok = self.lp = self.gen = self.alive = None
+        self.mask = self.pos = self.pending = self.tok = self.lp = self.gen = self.limit = self.alive = None
+
+    def _limits(self, units):
+        """The new-token budget of every row of ``units``, in row order."""
+        return torch.tensor([self.budgets[u[2]][u[3]] for u in units for _ in range(u[6])], dtype=torch.long,
+                            device=self.dev)
 
     def rebuild(self, units, groups, tok0, lp0):
         """Drop dead rows, trim all-padding columns on the left and append the rows of ``units``.
@@ -183,7 +190,8 @@ class _Batch:
         self.dead = []
         self.N, self.L = N, L
         if N == 0:
-            self.cache = self.mask = self.pos = self.pending = self.tok = self.lp = self.gen = self.alive = None
+            self.cache = self.mask = self.pos = self.pending = None
+            self.tok = self.lp = self.gen = self.limit = self.alive = None
             return
         # runs of consecutive kept rows: slice copies, no index_select temporaries
         runs = []
@@ -237,7 +245,7 @@ class _Batch:
         else:
             tok0 = new_tok[:, 0]
         fields = (("pos", b_new), ("pending", tok0), ("tok", new_tok), ("lp", new_lp),
-                  ("gen", torch.ones(M, dtype=torch.long, device=dev)),
+                  ("gen", torch.ones(M, dtype=torch.long, device=dev)), ("limit", self._limits(units)),
                   ("alive", torch.ones(M, dtype=torch.int8, device=dev)))
         for name, new in fields:
             cur = getattr(self, name)
@@ -283,6 +291,7 @@ class _Batch:
                 self.meta[slots[row + c]] = (i, j, c0 + c)
             row += nc
         self.pos[idx], self.pending[idx], self.gen[idx], self.alive[idx] = b_new, tok0, 1, 1
+        self.limit[idx] = self._limits(units)
         self.tok[idx], self.lp[idx] = 0, 0.0
         self.tok[idx, 0], self.lp[idx, 0] = tok0, lp0
         return idx
@@ -356,8 +365,9 @@ class Engine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         progress: Callable[[int], None] | None = None,
+        budgets: list[list[int]] | None = None,
     ) -> list[list[list[Sample]]]:
-        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]]."""
+        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens."""
         if len(sequences) != len(boundaries):
             raise ValueError("sequences and boundaries differ in length")
         for s, bs in zip(sequences, boundaries):
@@ -366,28 +376,35 @@ class Engine:
                 if not (prev < b <= len(s)):
                     raise ValueError(f"boundaries must be increasing, >= 1 and <= len(sequence): {bs} for length {len(s)}")
                 prev = b
-        return self._run([list(s) for s in sequences], [list(b) for b in boundaries], k, params, generator, progress)
+        if budgets is not None:
+            if [len(b) for b in budgets] != [len(b) for b in boundaries]:
+                raise ValueError("budgets must have the nesting of boundaries")
+            if any(not 1 <= n <= params.max_new_tokens for bs in budgets for n in bs):
+                raise ValueError(f"budgets must lie in 1..max_new_tokens={params.max_new_tokens}")
+        return self._run([list(s) for s in sequences], [list(b) for b in boundaries], k, params, generator, progress,
+                         budgets)
 
     # ------------------------------------------------------------------ the job
 
-    def _run(self, seqs, bounds, k, params, generator, progress):
+    def _run(self, seqs, bounds, k, params, generator, progress, budgets=None):
         if k < 1:
             raise ValueError("need at least one sample per prefix")
         if params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         out = [[[None] * k for _ in bs] for bs in bounds]
+        budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in bounds]
         model = self.model
         was_training = model.training
         model.eval()
         try:
             with torch.inference_mode():
-                self._job(seqs, bounds, k, params, generator, progress, out)
+                self._job(seqs, bounds, budgets, k, params, generator, progress, out)
         finally:
             if was_training:
                 model.train()
         return out
 
-    def _job(self, seqs, bounds, k, params, generator, progress, out):
+    def _job(self, seqs, bounds, budgets, k, params, generator, progress, out):
         dev = self.device
         budget = self.token_budget
         max_new = params.max_new_tokens
@@ -430,7 +447,7 @@ class Engine:
         cand = self._candidate_table(params.stop, vocab, dev)
         eos_t = torch.tensor(self.eos_token_ids or [-1], device=dev)
         window = (max((len(s) for s in params.stop), default=0)) + 8
-        batch = _Batch(dev, max_new, extra=min(max_new + 1, 64))
+        batch = _Batch(dev, max_new, extra=min(max_new + 1, 64), budgets=budgets)
         done = 0
 
         def check(tok, rows=None):
@@ -438,7 +455,7 @@ class Engine:
             nonlocal done
             sl = slice(None) if rows is None else rows
             gen = batch.gen[sl]
-            flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (gen >= max_new).to(torch.int8) * _LEN
+            flag = torch.isin(tok, eos_t).to(torch.int8) * _EOS + (gen >= batch.limit[sl]).to(torch.int8) * _LEN
             if cand is not None:
                 flag = flag + cand[tok] * _CAND
             flag = flag * batch.alive[sl]

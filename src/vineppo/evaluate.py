@@ -2,8 +2,10 @@
 and greedy accuracy of a model on a task, with per-problem results in a JSONL file.
 
 Beside the strict scores (the reward's grader) it reports lenient ones (`grading.lenient_answer`: "the
-answer is X", a `\\boxed{}` on GSM8K, the last number) and `parsable`, the fraction of responses whose
-answer the strict grader could read: a model that knows answers but not the format shows up there.
+answer is X", a `\\boxed{}` on GSM8K, the last number). Each response's finish reason ("stop": EOS or a stop
+string; "length": cut off at --max-new-tokens) is recorded, and `parsable` is the fraction of responses
+(sampled and greedy; `greedy_parsable`: greedy only) in which the task's strict extractor finds an answer,
+right or wrong: a model that knows answers but not the format shows up there.
 
 For GSM8K-format solutions (`a op b = c` lines, then `#### answer`) `first_error_step` says where a wrong
 response first goes wrong: a wrong result on line i, or a wrong number copied into it.
@@ -20,16 +22,20 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
-import torch
 
+from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
-from vineppo.models import context_length, load_model
-from vineppo.prompts import HELP, Prompter
+from vineppo.models import context_length, load_model, seeded_generator
+from vineppo.prompts import HELP, Prompter, check_format
+from vineppo.runs import make_folder
 from vineppo.tasks import Example, Task, get_task
 
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 _FINAL = re.compile(r"^\s*####\s*(.*?)\s*$")
+# Flag rules, checked before any model or data loads.
+RULES = dict(samples=configs.AT_LEAST_0, temperature=configs.NON_NEGATIVE, top_p=configs.TOP_P,
+             limit=configs.AT_LEAST_1, max_new_tokens=configs.AT_LEAST_1)
 
 
 def _parse(line: str) -> tuple[int, str, int, int] | None:
@@ -76,7 +82,7 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
 def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
              top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
              token_budget: int = 65536, prompter: Prompter | None = None) -> dict:
-    """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples`."""
+    """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples` (seeded)."""
     from vineppo.engine import Engine, SamplingParams
 
     if not examples:
@@ -96,10 +102,10 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
     sampled = [[] for _ in prompts]
     if samples > 0:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=task.stop)
-        sampled = engine.generate(prompts, n=samples, params=params,
-                                  generator=torch.Generator().manual_seed(seed), progress=progress)
+        sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
+                                  progress=progress)
     greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
-    greedy = engine.generate(prompts, n=1, params=greedy_params, generator=torch.Generator().manual_seed(seed),
+    greedy = engine.generate(prompts, n=1, params=greedy_params, generator=seeded_generator(model, seed),
                              progress=progress)
     model.train(was_training)
 
@@ -111,17 +117,24 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
                          correct=int(sum(marks)), samples=len(marks),
                          greedy=outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason),
                          greedy_lenient=outcome_reward(task.lenient, g[0].text, ex.answer, g[0].finish_reason),
-                         greedy_parsable=task.extract(g[0].text) is not None, greedy_text=g[0].text,
-                         sample_texts=[s.text for s in outs], sample_correct=marks, sample_lenient=lenient,
-                         sample_parsable=[task.extract(s.text) is not None for s in outs]))
+                         greedy_parsable=_parsable(task, g[0].text), greedy_text=g[0].text,
+                         greedy_finish=g[0].finish_reason, sample_texts=[s.text for s in outs], sample_correct=marks,
+                         sample_lenient=lenient, sample_parsable=[_parsable(task, s.text) for s in outs],
+                         sample_finish=[s.finish_reason for s in outs]))
+    parsable = [p for r in rows for p in r["sample_parsable"] + [r["greedy_parsable"]] if p is not None]
     return {"pass@1": _mean([r["pass@1"] for r in rows if r["samples"]]),
             "greedy": _mean([r["greedy"] for r in rows]),
             "lenient_pass@1": _mean([r["lenient_pass@1"] for r in rows if r["samples"]]),
             "lenient_greedy": _mean([r["greedy_lenient"] for r in rows]),
-            "parsable": _mean([p for r in rows for p in r["sample_parsable"]]),
-            "greedy_parsable": _mean([r["greedy_parsable"] for r in rows]),
+            "parsable": _mean(parsable),
+            "greedy_parsable": _mean([r["greedy_parsable"] for r in rows if r["greedy_parsable"] is not None]),
             "problems": len(rows), "samples": samples, "prompt_format": prompter.format,
             "tokens": sum(len(s.token_ids) for outs in sampled + greedy for s in outs), "results": rows}
+
+
+def _parsable(task: Task, text: str) -> bool | None:
+    """Whether the task's strict extractor finds an answer in `text` (None: the task has no extractor)."""
+    return task.extract(text) is not None if task.extract else None
 
 
 def _mean(values: list) -> float | None:
@@ -168,13 +181,17 @@ def run(args: argparse.Namespace) -> int:
     """Run `vineppo eval` from parsed flags."""
     from vineppo.sft import default_sft_dir
 
+    configs.check_flags(vars(args), RULES)
+    check_format(args.prompt_format or "auto")
     task = get_task(args.task)
-    if args.limit is not None and args.limit < 1:
-        raise UserError("--limit must be at least 1")
     examples = task.load(args.split, args.data, args.seed)[: args.limit]
     if not examples:
         raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
     name = args.model or str(default_sft_dir(args.task))
+    saved = Path(name) if (Path(name) / "config.json").is_file() else \
+        Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
+    out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
+    make_folder(out.parent, f"--out {out}")
     model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
     prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
     from rich.console import Console
@@ -193,10 +210,6 @@ def run(args: argparse.Namespace) -> int:
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick,
                        prompter=prompter)
         res["tokens_per_s"] = res["tokens"] / (time.perf_counter() - start)  # generated tokens, sampled and greedy
-    saved = Path(name) if (Path(name) / "config.json").is_file() else \
-        Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
-    out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
     summary = {k: v for k, v in res.items() if k != "results"}
     if args.json:
@@ -206,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.task}/{args.split}: pass@1 {f['pass@1']} ({args.samples} samples, T={args.temperature}, "
           f"top-p {args.top_p})  greedy {f['greedy']}  problems {summary['problems']}")
     print(f"  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  parsable (strict grader): "
-          f"samples {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
+          f"all {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
           f"{summary['tokens_per_s']:.1f} generated tokens/s")
     print(f"per-problem results: {out}", file=sys.stderr)
     if args.errors:

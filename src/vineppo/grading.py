@@ -5,6 +5,9 @@ first by string equality after a light normalisation (most correct answers stop 
 `math-verify` (numeric and symbolic equivalence) in a persistent worker process that is killed and
 restarted when a call runs past the time limit. math-verify's own timeouts use SIGALRM, which works only
 in a main thread and cannot interrupt sympy stuck in C code; a separate process can always be killed.
+
+Extractors (`extract_gsm8k`, `extract_math`) return the answer a grader would compare, or None when it
+finds none: whether a response is parsable at all, right or wrong.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import sys
 import threading
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from vineppo.engine import Sample
 
 MATH_TIMEOUT = 5.0  # seconds per grade_math call, hard
 MAX_ANSWER_CHARS = 2000  # longer boxed answers are compared as strings only: no real answer is that long
@@ -52,17 +58,30 @@ def outcome_reward(grade: Callable[[str, str], float], text: str, answer: str, f
     return grade(text, answer) if finish_reason == "stop" else 0.0
 
 
-def gsm8k_answer(completion: str) -> Decimal | None:
-    """The number after the last `####` of a response, or None when there is none the grader can read."""
+def continuation_reward(grade: Callable[[str, str], float], tokenizer, prefix_ids: list[int], sample: Sample,
+                        answer: str) -> float:
+    """The reward of a response prefix (token ids) followed by a continuation, graded as one decoded text.
+
+    The joined tokens are decoded, not the decoded texts joined: a tokenizer may decode a token differently
+    at the start of a text (SentencePiece drops the space of a leading "▁word"), so the texts need not join.
+    """
+    text = tokenizer.decode(list(prefix_ids) + list(sample.token_ids), skip_special_tokens=True)
+    return outcome_reward(grade, text, answer, sample.finish_reason)
+
+
+def extract_gsm8k(completion: str) -> str | None:
+    """The answer after the last `####` when it is a number the grader can read, else None."""
     found = _GSM_ANSWER.findall(completion)
-    return parse_number(found[-1]) if found else None
+    if not found or parse_number(found[-1]) is None:
+        return None
+    return found[-1].strip()
 
 
 def grade_gsm8k(completion: str, answer: str) -> float:
     """1.0 when the number after the last `####` equals the reference number (commas, `$`, final `.` ignored)."""
     try:
-        got, want = gsm8k_answer(completion), parse_number(answer)
-        return float(got is not None and want is not None and got == want)
+        got, want = extract_gsm8k(completion), parse_number(answer)
+        return float(got is not None and want is not None and parse_number(got) == want)
     except Exception:  # a grader never raises: a reward of 0 is the answer to anything unexpected
         return 0.0
 
@@ -215,6 +234,12 @@ def math_equal(pred: str, gold: str, timeout: float = MATH_TIMEOUT) -> bool:
     if not p or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     return _VERIFIER.equal(pred, gold, timeout)
+
+
+def extract_math(completion: str) -> str | None:
+    """The content of the last `\\boxed{}` when there is a non-empty one, else None."""
+    got = last_boxed(completion)
+    return got if got is not None and got.strip() else None
 
 
 def grade_math(completion: str, answer: str, timeout: float = MATH_TIMEOUT) -> float:

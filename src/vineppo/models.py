@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from vineppo.errors import UserError
-from vineppo.tasks.data import hub_reachable
+from vineppo.tasks.data import reachable
 
 EOS = "<|endoftext|>"
 TINY_SIZE = dict(hidden=128, layers=4, heads=4)  # default tiny model (0.9M params); mlp = 3x (llama/qwen2), 4x (gpt2)
@@ -40,6 +41,27 @@ def pick_device(device: str | None = None) -> torch.device:
         return torch.device(device)
     except RuntimeError:
         raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+
+
+def seeded_generator(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """A generator on the model's device: sampling there never copies probabilities to another device."""
+    return torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Turn every dropout off (nn.Dropout modules, dropout-rate attributes and config fields), as RL trainers do.
+
+    PPO's ratio and KL compare log-probs of the same tokens computed at different times; dropout would make
+    them differ by noise (the ratio is not 1 on the first minibatch). Attention dropout is often a float
+    attribute read in forward (Llama's `attention_dropout`), not a module, hence the attributes.
+    """
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "__dict__")}
+    for obj in [*model.modules(), *configs.values()]:
+        if isinstance(obj, torch.nn.Dropout):
+            obj.p = 0.0
+        for name, value in list(vars(obj).items()):
+            if ("dropout" in name or "pdrop" in name) and type(value) is float:
+                setattr(obj, name, 0.0)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -119,8 +141,9 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
     if not hub and gguf is None and not (local / "config.json").is_file():
         raise UserError(f"model folder {name} has no config.json and no .gguf file (not a saved model, or an "
                         f"unfinished one)")
-    # A hub id offline, or with the hub unreachable, may come from the local cache only (not minutes of retries).
-    local_only = not hub or _offline() or not hub_reachable()
+    # A hub id offline, or with the hub unreachable, may come from the local cache only: checked first, as
+    # transformers retries for about a minute before failing.
+    local_only = not hub or _offline() or not reachable()
     try:
         if gguf is not None:
             model, tokenizer = _load_gguf(gguf, torch_dtype)
@@ -128,9 +151,13 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
             src = name if hub else str(local)
             tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=local_only)
             model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local_only, dtype=torch_dtype)
-    except (OSError, ValueError) as e:
-        why = "not in the local cache, and the hub is offline or unreachable" if hub and local_only else \
-            str(e).strip().splitlines()[0][:200]
+    except (OSError, ValueError, SafetensorError) as e:
+        why = str(e).strip().splitlines()[0][:200]
+        if hub and local_only:
+            why = "not in the local cache and " + ("HF_HUB_OFFLINE is set" if _offline() else
+                                                  "huggingface.co cannot be reached; pass a local model folder")
+        elif isinstance(e, SafetensorError):
+            why = f"its weights are damaged or truncated ({why})"
         raise UserError(f"cannot load model {name}: {why}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

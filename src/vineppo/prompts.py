@@ -77,7 +77,11 @@ class Prompter:
 
     def prompt(self, ex: Example) -> list[int]:
         """Token ids of the prompt (with the tokenizer's own prefix, e.g. BOS, outside chat)."""
-        return self.tokenizer(self.text(ex), add_special_tokens=self.format != "chat")["input_ids"]
+        return self.encode([ex])[0]
+
+    def encode(self, examples: list[Example]) -> list[list[int]]:
+        """Token ids of the prompts of `examples`, tokenized as one batch."""
+        return self.tokenizer([self.text(ex) for ex in examples], add_special_tokens=self.format != "chat")["input_ids"]
 
     def target(self, ex: Example) -> list[int]:
         """Token ids of the reference response, ending with the end-of-turn (or EOS) token: the SFT target."""

@@ -21,15 +21,22 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.models import context_length, load_model, pick_device, tiny_model
-from vineppo.prompts import HELP, Prompter, save_format
+from vineppo.prompts import HELP, Prompter, check_format, save_format
+from vineppo.runs import make_folder
 from vineppo.tasks import get_task
+from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
 TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
 PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
+# Flag rules, checked before any model or data loads.
+RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT_LEAST_1, max_steps=configs.AT_LEAST_1,
+             warmup=(lambda v: 0 <= v < 1, "must be >= 0 and < 1"), hidden=configs.AT_LEAST_1, layers=configs.AT_LEAST_1)
 
 
 def default_sft_dir(task: str) -> Path:
@@ -101,7 +108,7 @@ def temp_dir(out: Path) -> Path:
     """A fresh temp folder next to `out`, where a run writes until it is complete."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    make_folder(tmp, f"--out {out}")
     return tmp
 
 
@@ -123,9 +130,15 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
             grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True,
             prompt_format: str | None = None) -> Path:
     """Fine-tune `model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
+    configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
+                             hidden=hidden, layers=layers), RULES)
     task = get_task(task_name)
     out = Path(out) if out is not None else default_sft_dir(task_name)
     dev = pick_device(device)
+    check_format(prompt_format or "auto")  # a bad flag or file fails before a model loads
+    examples = task.load("train", data, seed)
+    if not examples:
+        raise UserError(f"task {task_name!r}: the training set is empty")
     torch.manual_seed(seed)
     if model == "tiny":
         net, tokenizer = tiny_model(task, seed=seed, arch=arch, data=data, hidden=hidden, layers=layers)
@@ -136,13 +149,8 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
         defaults = PRETRAINED_DEFAULTS
     hp = {k: v if v is not None else defaults[k] for k, v in
           dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
-    if hp["batch_size"] < 1 or hp["lr"] <= 0 or hp["epochs"] <= 0:
-        raise UserError("--batch-size, --lr and --epochs must be positive")
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if bf16 is None else bf16
 
-    examples = task.load("train", data, seed)
-    if not examples:
-        raise UserError(f"task {task_name!r}: the training set is empty")
     prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
     items = tokenize_examples(prompter, examples, context_length(net))
     if not items:
@@ -189,6 +197,8 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
     batches: list[list[int]] = []
     t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
     bar = _progress(progress)
+    lines = progress and not console.is_terminal  # rich draws nothing into a file or pipe: print lines there instead
+    line_every = max(1, total // 20)
     with bar, open(tmp / "metrics.jsonl", "w") as log:
         job = bar.add_task("sft", total=total, loss=float("nan"), tps=0.0)
         for step in range(total):
@@ -203,7 +213,8 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
             sched.step()
             opt.zero_grad(set_to_none=True)
             tokens += int(batch["attention_mask"].sum())
-            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            step_loss = loss.item()
+            loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
             if (step + 1) % log_every == 0 or step + 1 == total:
                 elapsed = time.time() - t0
                 row = dict(step=step + 1, loss=round(loss_sum / loss_n, 5), lr=sched.get_last_lr()[0],
@@ -212,16 +223,29 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
                 log.flush()
                 bar.update(job, loss=row["loss"], tps=row["tokens_per_s"])
                 loss_sum, loss_n = 0.0, 0
+            if lines and ((step + 1) % line_every == 0 or step + 1 == total):
+                _print_line(step + 1, total, step_loss, tokens, time.time() - t0)
             bar.update(job, advance=1)
     net.eval()
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _print_line(step: int, total: int, loss: float, tokens: int, elapsed: float) -> None:
+    """One plain progress line (5% of the steps apart) for output that is not a terminal."""
+    left = elapsed * (total - step) / step
+    print(f"sft: step {step}/{total} ({100 * step // total}%)  loss {loss:.4f}  {tokens / elapsed:,.0f} tok/s  "
+          f"{elapsed:.0f}s elapsed, ~{left:.0f}s left", file=sys.stderr, flush=True)
 
+
+def _progress(enabled: bool) -> Progress:
+    """The terminal progress bar of the SFT loop."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:.0f} tok/s"),
                     TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled)
+
+
+def _defaults(key: str) -> str:
+    """' (tiny: X, pretrained: Y)' for a --help text, read from the defaults themselves so it cannot go stale."""
+    return f" (tiny: {TINY_DEFAULTS[key]:g}, pretrained: {PRETRAINED_DEFAULTS[key]:g})"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -232,11 +256,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-format", default=None, help=HELP)
     p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (tiny: 0.55, pretrained: 3)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3, pretrained: 1e-5)")
-    p.add_argument("--batch-size", type=int, default=None, help="examples per step (tiny: 16, pretrained: 64)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate" + _defaults("lr"))
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step" + _defaults("batch_size"))
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
-    p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps (default 0.03)")
+    p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps" + _defaults("warmup"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -1,7 +1,8 @@
-"""`vineppo train`: the RL loop. Sample -> grade -> credit assignment -> PPO update -> evaluate -> checkpoint.
+"""`vineppo train`: the RL loop. Sample -> grade -> the algorithm's update -> evaluate -> checkpoint.
 
-One loop serves every algorithm; they differ only in the credit estimator (vineppo.credit) and its
-settings (vineppo.config.ALGOS). Read `train` top to bottom.
+One loop serves every algorithm; they differ only in the update registered under their name
+(vineppo.algorithms: credit assignment + PPO, RestEM, DPO+) and its settings (vineppo.config.ALGOS).
+Read `train` top to bottom.
 """
 
 from __future__ import annotations
@@ -10,89 +11,121 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import random
-import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from vineppo import config as configs
 from vineppo import distributed as dist
+from vineppo import runs
+from vineppo.algorithms import Context, get_algorithm
 from vineppo.config import TrainConfig
-from vineppo.credit import CreditContext, Episode, get_estimator
+from vineppo.credit import Episode
 from vineppo.engine import Engine, SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
-from vineppo.ppo import Critic, UpdateConfig, mean_std, ppo_update, whiten
-from vineppo.prompts import Prompter, save_format
+from vineppo.models import context_length
+from vineppo.ppo import Critic
+from vineppo.prompts import Prompter
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
 
-DEFAULT_PRESET = "arith-tiny"
+TASK_PRESETS = {"arith": "arith-tiny"}  # without --config a run uses configs/<task>.yaml, or the preset named here
+NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     """Run (or resume) RL training as configured; returns the run summary."""
+    cfg = configs.validate(cfg)  # callers of this function may build a TrainConfig by hand
     device = dist.init(cfg.device)
+    out = Path(resume) if resume else _run_dir(cfg)
+    with runs.locked(out, create=not resume, enabled=dist.is_main()):  # one run per folder, for its whole life
+        return _train(cfg, out, resume is not None, device)
+
+
+def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> dict:
+    """The run, its folder locked: folder and data checks before any model loads, then models, then the loop."""
     main = dist.is_main()
     task = get_task(cfg.task)
-    out = Path(resume) if resume else _run_dir(cfg)
-    estimator = get_estimator(cfg.estimator)
+    algorithm = get_algorithm(cfg)
+    found = runs.resume_point(out, cfg.iterations) if resume else []
+    if main and not resume:
+        runs.start_fresh(out)
+    train_set, test_set, val_set = _load_data(cfg, task)
+    if main:
+        console.print(f"{'resuming ' if resume else ''}{cfg.algo} on {cfg.task}, preset {cfg.preset or 'none'}, "
+                      f"run folder {out}", highlight=False, soft_wrap=True)
 
     # Models: the policy, its frozen SFT reference, and the critic when the estimator uses one.
-    model_dir = _sft_model(cfg) if main else None
+    model_dir = _sft_model(cfg, train_missing=not resume) if main else None
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
-    from vineppo.models import load_model
+    if main and resume:
+        runs.check_start_model(out, model_dir)
+    from vineppo.models import disable_dropout, load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
+    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
+    _check_lengths(cfg, prompter, policy, train_set, test_set, val_set)
+    # copies, not second loads (a .gguf file takes tens of seconds to read)
     reference = copy.deepcopy(policy).requires_grad_(False)
     critic = Critic.from_model(policy) if cfg.estimator == "gae" else None
+    for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
+        if net is not None:
+            disable_dropout(net)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
-    engine = Engine(policy, tokenizer, token_budget=cfg.token_budget)
+    sampler = {"policy": policy, "sft": reference}[cfg.sample_from]  # sft: DPO+'s offline samples
+    engine = Engine(sampler, tokenizer, token_budget=cfg.token_budget)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
-    update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
-                              cfg.grad_clip, cfg.value_clip)
-
-    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
-    train_set = task.load("train", cfg.data, cfg.data_seed)
-    test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems] if cfg.eval_problems else []
-    if not train_set:
-        raise UserError(f"task {cfg.task}: the training set is empty")
 
     state = {"iteration": 0, "wall_clock_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
-             "final_test_pass@1": None}
-    if resume:
-        state = _load_checkpoint(out, policy, optimizer, critic, critic_opt, device)
-    elif main:
-        out.mkdir(parents=True, exist_ok=True)
-        configs.save(cfg, out / "config.yaml")
+             "final_test_pass@1": None, "best_val_iteration": None, "best_val_pass@1": None,
+             "test_at_best_val_pass@1": None}
+    if resume:  # a checkpoint from before validation existed lacks its keys
+        state.update(runs.load_checkpoint(found, policy, optimizer, critic, critic_opt, device))
+    if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
+        with _disk_errors(out):
+            configs.save(cfg, out / "config.yaml")
+            if not resume:
+                runs.record_start_model(out, model_dir)
     dist.barrier()
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state["iteration"] if resume else None, enabled=main)
 
-    def evaluate_now(iteration: int) -> float:
+    def evaluate_now(iteration: int) -> dict[str, float]:
+        """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now."""
         from vineppo.evaluate import evaluate
 
-        mine = test_set[dist.rank()::dist.world()]
-        result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
-                          top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                          token_budget=cfg.token_budget, prompter=prompter)
-        total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
-        return total / max(n, 1)
+        scores = {}
+        for key, examples in (("test/pass@1", test_set), ("val/pass@1", val_set)):
+            if not examples:
+                continue
+            mine = examples[dist.rank()::dist.world()]
+            result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples,
+                              temperature=cfg.eval_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                              seed=cfg.seed + iteration, token_budget=cfg.token_budget, prompter=prompter)
+            total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
+            scores[key] = total / max(n, 1)
+        return scores
 
     bar = progress_bar(enabled=main)
     bar.start()
     job = bar.add_task(f"{cfg.algo} on {cfg.task}", total=cfg.iterations, completed=state["iteration"], status="")
     clock = time.perf_counter() - state["wall_clock_s"]
-    if state["sft_test_pass@1"] is None and test_set:
+    watch = _SignalWatch(enabled=main)
+    if state["iteration"] == 0 and (test_set or val_set):
         bar.update(job, status="evaluating the SFT model")
-        state["sft_test_pass@1"] = state["best_test_pass@1"] = evaluate_now(0)
-        tracker.log(0, {"test/pass@1": state["sft_test_pass@1"]})
+        scores = evaluate_now(0)
+        state["sft_test_pass@1"] = scores.get("test/pass@1")
+        _record(state, 0, scores)
+        tracker.log(0, scores)
         clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
+    ctx = Context(cfg, policy, reference, optimizer, tokenizer, engine, params, task.grade, critic, critic_opt,
+                  status=lambda text: bar.update(job, status=text))
 
     for it in range(state["iteration"], cfg.iterations):
         # Every random choice of an iteration comes from (seed, iteration, rank): a resumed run, or one on
@@ -105,77 +138,57 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         # 1. Sample: this rank's share of the iteration's prompts, several responses each.
         t0 = time.perf_counter()
         bar.update(job, status="sampling")
-        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter)]
+        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
-        prompt_ids = [prompter.prompt(ex) for _, ex in mine]
+        prompt_ids = prompter.encode([ex for _, ex in mine])
         outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
 
         # 2. Grade and cut into steps.
         episodes = [_episode(task, tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
                     for s in samples]
-        n_trunc = sum(ep.truncated for ep in episodes)
-        totals = dist.all_sum([float(len(episodes)), float(n_trunc), sum(ep.reward for ep in episodes),
-                               float(sum(len(ep.response_ids) for ep in episodes))])
+        sampled = episodes
+        if cfg.oversample > 1:
+            episodes = _informative(episodes, cfg.prompts_per_iter)
+        n_trunc = sum(ep.truncated for ep in sampled)
+        totals = dist.all_sum([float(len(sampled)), float(n_trunc), sum(ep.reward for ep in sampled),
+                               float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(sampled)),
+                               float(len(mine)), float(_mixed_prompts(episodes))])
         if totals[1] == totals[0]:
             raise UserError(f"iteration {it + 1}: all {int(totals[0])} responses hit max_new_tokens="
                             f"{cfg.max_new_tokens} (reward 0, nothing to learn); raise --max-new-tokens or check the "
-                            f"model. Last good checkpoint: {_latest(out) or 'none yet'}")
+                            f"model. Last good checkpoint: {runs.latest(out) or 'none yet'}")
         metrics.update({"train/reward": totals[2] / totals[0], "train/truncated": totals[1] / totals[0],
-                        "train/response_tokens": totals[3] / totals[0], "episodes": totals[0]})
+                        "train/response_tokens": totals[3] / totals[0], "episodes": totals[0],
+                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0),
+                        "train/kept_mixed_prompts": totals[6] / cfg.prompts_per_iter})
+        watch.update(metrics)
         t1 = time.perf_counter()
 
-        # 3. Credit assignment: per-token advantages from the configured estimator.
-        bar.update(job, status="credit assignment")
-        mc_engine = dist.BalancedContinuations(engine)
-        ctx = CreditContext(engine=mc_engine, tokenizer=tokenizer, grade=task.grade, critic=critic, params=params,
-                            generator=gen, mc_k=cfg.mc_k, mc_max_states=cfg.mc_max_states, gamma=cfg.gamma,
-                            lam=cfg.gae_lambda)
-        credit = estimator(episodes, ctx)
-        adv_mean, adv_std = mean_std(credit.advantages)
-        metrics.update({"advantage/mean": adv_mean, "advantage/std": adv_std})
-        metrics.update(_reduce_stats(credit.stats))
-        if mc_engine.states_run:
-            metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
-        advantages = whiten(credit.advantages) if cfg.whiten_advantages else credit.advantages
-        t2 = time.perf_counter()
-
-        # 4. PPO update (the same code for every algorithm).
-        bar.update(job, status="updating")
-        policy.train()
+        # 3. The algorithm's update on these episodes (vineppo.algorithms): credit + PPO, RestEM or DPO+.
         try:
-            stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
-                               [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
-                               order_gen, critic, critic_opt, credit.returns, credit.values,
-                               ids=[ep.group * cfg.samples_per_prompt + j % cfg.samples_per_prompt
-                                    for j, ep in enumerate(episodes)])
+            metrics.update(algorithm(episodes, dataclasses.replace(ctx, generator=gen, order_generator=order_gen)))
         except FloatingPointError as e:
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
-                            f"checkpoint: {_latest(out) or 'none yet'}") from None
-        policy.eval()
-        stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
-        tok = max(stats["tokens"], 1.0)
-        metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
-                        "entropy": stats["entropy"] / tok, "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
-        if critic is not None:
-            metrics["value_loss"] = stats["value_loss"] / tok
-        t3 = time.perf_counter()
-        metrics.update({"time/sampling_s": t1 - t0, "time/credit_s": t2 - t1, "time/update_s": t3 - t2})
+                            f"checkpoint: {runs.latest(out) or 'none yet'}") from None
+        t2 = time.perf_counter()
+        metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
 
-        # 5. Evaluate, log, checkpoint.
+        # 4. Evaluate, log, checkpoint.
         done = it + 1
-        if test_set and (done == cfg.iterations or (cfg.eval_every and done % cfg.eval_every == 0)):
+        if (test_set or val_set) and (done == cfg.iterations or (cfg.eval_every and done % cfg.eval_every == 0)):
             bar.update(job, status="evaluating")
-            acc = evaluate_now(done)
-            metrics["test/pass@1"] = acc
-            state["final_test_pass@1"] = acc
-            state["best_test_pass@1"] = max(acc, state["best_test_pass@1"] or 0.0)
+            scores = evaluate_now(done)
+            metrics.update(scores)
+            state["final_test_pass@1"] = scores.get("test/pass@1")
+            _record(state, done, scores)
         state["iteration"] = done
         state["wall_clock_s"] = time.perf_counter() - clock
         metrics["time/wall_clock_s"] = state["wall_clock_s"]
         tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
-            _save_checkpoint(out, policy, prompter, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
+            runs.save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints,
+                                 prompt_format=prompter.format)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                             if "test/pass@1" in metrics else "")
         bar.update(job, advance=1, status=status)
@@ -186,8 +199,11 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     tracker.close()
     summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
     summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"]})
+    if val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
+        summary.update({k: state[k] for k in ("best_val_iteration", "best_val_pass@1", "test_at_best_val_pass@1")})
     if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with _disk_errors(out):
+            runs.write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(out)
     return summary
 
@@ -201,95 +217,141 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
                    sample.finish_reason != "stop")
 
 
-def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
-    """Counts (mc/*) are summed over ranks; other statistics are averaged."""
-    keys = sorted(stats)
-    summed = dist.all_sum([stats[k] for k in keys])
-    return {k: v if k.startswith("mc/") else v / dist.world() for k, v in zip(keys, summed)}
+def _informative(episodes: list[Episode], keep: int) -> list[Episode]:
+    """The episodes of `keep` prompts over all ranks: prompts whose responses differ in reward first, then the
+    rest, each in draw order; kept prompts are numbered 0..keep-1 in that order, the same on every rank.
+
+    A prompt whose responses all agree gives GRPO and RLOO no signal and VinePPO little (its states are mostly
+    decided), so the expensive Monte Carlo and update go to the prompts that can teach something.
+    """
+    groups = _outcomes(episodes)
+    mixed = {g for part in dist.all_gather_objects(groups) for g, rewards in part.items() if len(rewards) > 1}
+    drawn = sorted({g for part in dist.all_gather_objects(list(groups)) for g in part})
+    chosen = sorted(drawn, key=lambda g: (g not in mixed, g))[:keep]
+    number = {g: k for k, g in enumerate(chosen)}
+    return [dataclasses.replace(ep, group=number[ep.group]) for ep in episodes if ep.group in number]
 
 
-def _sft_model(cfg: TrainConfig) -> Path | str:
-    """The starting model: the given one, or the task's default tiny SFT model (trained once, then cached)."""
+def _outcomes(episodes: list[Episode]) -> dict[int, set[float]]:
+    rewards: dict[int, set[float]] = {}
+    for ep in episodes:
+        rewards.setdefault(ep.group, set()).add(ep.reward)
+    return rewards
+
+
+def _mixed_prompts(episodes: list[Episode]) -> int:
+    """Prompts whose responses differ in reward: a batch without any gives GRPO/RLOO no signal, and VinePPO rarely."""
+    return sum(len(r) > 1 for r in _outcomes(episodes).values())
+
+
+class _SignalWatch:
+    """Warns once per run when NO_SIGNAL_ITERATIONS iterations in a row have no prompt with mixed outcomes."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.flat, self.warned = enabled, 0, False
+
+    def update(self, metrics: dict[str, float]) -> None:
+        """Count this iteration; print the warning (one line) the first time the count reaches the limit."""
+        self.flat = self.flat + 1 if metrics["train/mixed_prompts"] == 0 else 0
+        if self.flat < NO_SIGNAL_ITERATIONS or self.warned or not self.enabled:
+            return
+        self.warned = True
+        console.print(f"warning: {self.flat} iterations in a row without a prompt whose responses differ in reward "
+                      f"(train/reward {metrics['train/reward']:.2f}): the outcomes give no learning signal. Likely "
+                      f"causes: answers in a format the grader cannot parse (see `parsable` in `vineppo eval --json`), "
+                      f"or --max-new-tokens too small ({metrics['train/truncated']:.0%} of responses cut off)",
+                      highlight=False, markup=False, soft_wrap=True)
+
+
+def _record(state: dict, iteration: int, scores: dict[str, float]) -> None:
+    """Keep the best test pass@1, and the iteration with the best validation pass@1 (the earliest on ties)."""
+    test, val = scores.get("test/pass@1"), scores.get("val/pass@1")
+    if test is not None:
+        state["best_test_pass@1"] = max(test, state["best_test_pass@1"] or 0.0)
+    if val is not None and (state["best_val_pass@1"] is None or val > state["best_val_pass@1"]):
+        state.update({"best_val_iteration": iteration, "best_val_pass@1": val, "test_at_best_val_pass@1": test})
+
+
+def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Example], list[Example]]:
+    """The training set, the evaluated test problems and the validation problems, read before any model loads."""
+    train_set = task.load("train", cfg.data, cfg.data_seed)
+    if not train_set:
+        raise UserError(f"task {cfg.task}: the training set is empty")
+    val_set = task.load("validation", cfg.data, cfg.data_seed)[: cfg.val_problems] if cfg.val_problems else []
+    if not cfg.eval_problems:
+        return train_set, [], val_set
+    try:
+        test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)
+    except UserError as e:  # the loaders name --data, the file flag of the other commands; here it is --eval-data
+        raise UserError(str(e).replace("--data", "--eval-data")) from None
+    return train_set, test_set[: cfg.eval_problems], val_set
+
+
+def _check_lengths(cfg: TrainConfig, prompter: Prompter, model, train_set: list[Example],
+                   test_set: list[Example], val_set: list[Example]) -> None:
+    """Refuse, before any work, a prompt that with --max-new-tokens does not fit the model's context or one engine row."""
+    ctx = context_length(model)
+    for split, examples in (("training", train_set), (cfg.eval_split, test_set), ("validation", val_set)):
+        if not examples:
+            continue
+        lengths = [len(ids) for ids in prompter.encode(examples)]
+        n = max(lengths)
+        ex = examples[lengths.index(n)]
+        where = f"{split} problem {ex.id!r}: its prompt is {n} tokens"
+        if n >= ctx:
+            raise UserError(f"{where}; the model's context is {ctx} (leave out the long problems)")
+        if n + cfg.max_new_tokens > ctx:
+            raise UserError(f"{where}, and with --max-new-tokens {cfg.max_new_tokens} it exceeds the model's context "
+                            f"({ctx}); lower --max-new-tokens to {ctx - n} or leave out the long problems")
+        if n + cfg.max_new_tokens > cfg.token_budget:
+            raise UserError(f"--token-budget {cfg.token_budget} is smaller than one row: {where}, plus "
+                            f"--max-new-tokens {cfg.max_new_tokens}")
+
+
+@contextmanager
+def _disk_errors(out: Path):
+    """A failed write of config, record or summary as one line: what failed and that the checkpoints are intact."""
+    try:
+        yield
+    except UserError as e:
+        kept = runs.latest(out)
+        raise UserError(f"{e}; nothing was lost: " + (f"the checkpoints in {kept.parent} are intact" if kept else
+                                                       "no training had been done yet")) from None
+    except OSError as e:
+        raise UserError(f"cannot write in {out}: {runs.reason(e)}") from None
+
+
+def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:
+    """The starting model: the given one, or the task's default tiny SFT model (trained once if missing, then cached)."""
     if cfg.model != "auto":
         return cfg.model
-    from vineppo.sft import ensure_sft_model
+    from vineppo.sft import default_sft_dir, ensure_sft_model
 
-    return ensure_sft_model(cfg.task)
+    return ensure_sft_model(cfg.task) if train_missing else default_sft_dir(cfg.task)
 
 
 def _run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
-        out = Path(cfg.out)
-        if (out / "config.yaml").exists():
-            raise UserError(f"--out {out} already holds a run; use --resume {out} to continue it, or another --out")
-        return out
+        return Path(cfg.out)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.algo}-{cfg.task}-{stamp}"
 
 
-# Checkpoints: runs/X/checkpoints/iter-000010/{model files, vineppo.json, optimizer.pt, critic.pt, state.json}.
-# A checkpoint is written to a temporary folder and renamed into place, and `latest` is replaced atomically
-# after that, so a crash mid-write never leaves a broken latest checkpoint.
-
-def _latest(out: Path) -> Path | None:
-    pointer = out / "checkpoints" / "latest"
-    return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
-
-
-def _save_checkpoint(out: Path, policy, prompter: Prompter, optimizer, critic, critic_opt, state: dict,
-                     keep: int) -> None:
-    if not dist.is_main():
-        dist.barrier()
-        return
-    root = out / "checkpoints"
-    name = f"iter-{state['iteration']:06d}"
-    tmp = root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    policy.save_pretrained(tmp, safe_serialization=True)
-    prompter.tokenizer.save_pretrained(tmp)
-    save_format(tmp, prompter.format)  # the checkpoint evaluates and trains on in the format it learned
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    if critic is not None:
-        torch.save({"critic": critic.state_dict(), "optimizer": critic_opt.state_dict()}, tmp / "critic.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    shutil.rmtree(root / name, ignore_errors=True)
-    os.replace(tmp, root / name)
-    pointer_tmp = root / ".latest.tmp"
-    pointer_tmp.write_text(name + "\n")
-    os.replace(pointer_tmp, root / "latest")
-    for old in sorted(p for p in root.glob("iter-*") if p.is_dir())[:-max(keep, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-
-
-def _load_checkpoint(out: Path, policy, optimizer, critic, critic_opt, device) -> dict:
-    from safetensors.torch import load_file
-
-    ckpt = _latest(out)
-    if ckpt is None or not ckpt.is_dir():
-        raise UserError(f"--resume {out}: no checkpoint found (expected {out / 'checkpoints' / 'latest'})")
-    weights = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        weights.update(load_file(f, device=str(device)))
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
-    if unexpected or any(not k.endswith("lm_head.weight") for k in missing):  # tied embeddings are not saved twice
-        raise UserError(f"{ckpt}: checkpoint does not match the model ({len(missing)} missing, {len(unexpected)} extra)")
-    policy.tie_weights()
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device))
-    if critic is not None:
-        saved = torch.load(ckpt / "critic.pt", map_location=device)
-        critic.load_state_dict(saved["critic"])
-        critic_opt.load_state_dict(saved["optimizer"])
-    return json.loads((ckpt / "state.json").read_text())
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo train`: --config, --resume, --json, and one flag per TrainConfig field."""
-    p.add_argument("--config", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
+    p.add_argument("--config", default=None, help="preset name or YAML file (default: the task's preset: "
+                   "arith-tiny for arith, gsm8k for gsm8k, math for math)")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     configs.add_config_arguments(p)
+
+
+def task_preset(task: str) -> str:
+    """The preset a run of `task` uses without --config: the one named in TASK_PRESETS, else the task's name."""
+    name = TASK_PRESETS.get(task, task)
+    if not (configs.PRESETS / f"{name}.yaml").is_file():
+        raise UserError(f"task {task!r} has no preset of its own; pass --config PRESET|FILE.yaml")
+    return name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -299,13 +361,14 @@ def run(args: argparse.Namespace) -> int:
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise UserError(f"--resume {args.resume}: no config.yaml there (not a run folder)")
-        cfg = configs.load(saved)
-        if overrides.get("iterations"):
-            cfg.iterations = overrides.pop("iterations")
-        if overrides:
-            raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(overrides)})")
+        extra = [k for k in overrides if k != "iterations"]
+        if extra:
+            raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(extra)})")
+        cfg = configs.load(saved, overrides)
     else:
-        cfg = configs.resolve(configs.load_preset(args.config or DEFAULT_PRESET), overrides)
+        preset = args.config or task_preset(overrides.get("task", TrainConfig.task))
+        cfg = configs.resolve(configs.load_preset(preset), overrides, source=preset)
+        cfg.preset = preset
     try:
         summary = train(cfg, Path(args.resume) if args.resume else None)
         main = dist.is_main()

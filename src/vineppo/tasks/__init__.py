@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vineppo.errors import UserError
-from vineppo.grading import gsm8k_answer, lenient_gsm8k
+from vineppo.grading import lenient_gsm8k
 
 DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
 # Chat prompts open with the task's instruction, which names the answer format its grader reads.
@@ -43,12 +43,13 @@ class Task:
     splits: tuple[str, ...] = ("train", "validation", "test")
     # Text that ends a response besides the tokenizer's EOS (a model that starts a new problem).
     stop: tuple[str, ...] = ("\n\nProblem:",)
-    # extract(completion) -> the answer the strict grader reads, or None: `vineppo eval`'s `parsable` rate.
-    extract: Callable[[str], object] = gsm8k_answer
     # lenient(completion, reference_answer) -> 1.0 or 0.0: `vineppo eval`'s lenient score, never the reward.
     lenient: Callable[[str, str], float] = lenient_gsm8k
     # Extra keyword knobs the loader accepts (documented per task).
     options: dict = field(default_factory=dict)
+    # extract(completion) -> the answer the grader would compare, or None when it finds none (strict
+    # parsability, right or wrong); None when the task has no extractor.
+    extract: Callable[[str], str | None] | None = None
 
     def prompt(self, example: Example) -> str:
         """The prompt text for one example."""

@@ -113,10 +113,10 @@ def load_arith(split: str, path: str | None = None, seed: int = 0, min_ops: int 
 
 
 def _register() -> None:
-    from vineppo.grading import grade_gsm8k
+    from vineppo.grading import extract_gsm8k, grade_gsm8k
     from vineppo.steps import split_newlines
 
-    register(Task(name="arith", load=load_arith, grade=grade_gsm8k, split_steps=split_newlines))
+    register(Task(name="arith", load=load_arith, grade=grade_gsm8k, split_steps=split_newlines, extract=extract_gsm8k))
 
 
 _register()

@@ -58,7 +58,7 @@ def _offline() -> bool:
     return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
 
 
-def hub_reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
+def reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
     """Whether a TCP connection to the Hub opens within `timeout` seconds (DNS included, hence the thread)."""
     ok = []
 
@@ -81,7 +81,7 @@ def load_hub(repo: str, config: str | None, split: str, task: str, required: tup
     hint = f"pass a local JSONL file with --data PATH (task {task!r}, hub data set {repo})"
     # With HF_HUB_OFFLINE set, `datasets` uses its cache and never touches the network; without it, we test
     # the connection ourselves because a firewalled host can make `datasets` wait for minutes.
-    if not _offline() and not hub_reachable():
+    if not _offline() and not reachable():
         raise UserError(f"cannot reach huggingface.co to download {repo}; {hint}")
     try:
         import datasets

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from vineppo.errors import UserError
-from vineppo.grading import grade_gsm8k
+from vineppo.grading import extract_gsm8k, grade_gsm8k
 from vineppo.steps import split_newlines
 from vineppo.tasks import Example, Task, register
 from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
@@ -51,4 +51,5 @@ def load_gsm8k(split: str, path: str | None = None, seed: int = 0) -> list[Examp
     return out
 
 
-register(Task(name="gsm8k", load=load_gsm8k, grade=grade_gsm8k, split_steps=split_newlines, splits=SPLITS))
+register(Task(name="gsm8k", load=load_gsm8k, grade=grade_gsm8k, split_steps=split_newlines, splits=SPLITS,
+              extract=extract_gsm8k))
