@@ -100,3 +100,15 @@ def test_gguf_paths_and_missing_extra(tmp_path, monkeypatch):
             load_model(path)
         assert "\n" not in str(e.value)
 
+
+
+def test_start_model_digest_covers_gguf_files(tmp_path):
+    """A run started from a .gguf file (or a folder holding one) records its weights, so resume can compare."""
+    from vineppo.runs import weights_digest
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"weights one")
+    first = weights_digest(str(gguf))
+    assert first is not None and weights_digest(str(tmp_path)) is not None
+    gguf.write_bytes(b"weights two")
+    assert weights_digest(str(gguf)) not in (None, first)

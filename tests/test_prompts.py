@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from vineppo import config as configs
 from vineppo.engine import Engine
 from vineppo.errors import UserError
 from vineppo.models import tiny_config, train_tokenizer
@@ -61,6 +62,13 @@ def test_chat_prompt_and_target(chat_tok):
     assert [t for t in labels if t != -100] == target and n_prompt == len(p.prompt(ex))
 
 
+@pytest.mark.parametrize("fmt", ["plain", "chat", "fewshot:2"])
+def test_batched_encode_is_the_prompts(chat_tok, fmt):
+    exs = MINI.load("test", None, 0)
+    p = Prompter(MINI, chat_tok, fmt)
+    assert p.encode(exs) == [p.prompt(ex) for ex in exs]
+
+
 def test_fewshot_prompt(plain_tok):
     train, ex = MINI.load("train", None, 0), MINI.load("test", None, 0)[0]
     text = Prompter(MINI, plain_tok, "fewshot:2").text(ex)
@@ -75,6 +83,13 @@ def test_bad_formats_are_one_line_errors(plain_tok, spec, msg):
     with pytest.raises(UserError, match=msg) as e:
         Prompter(MINI, plain_tok, spec)
     assert "\n" not in str(e.value)
+
+
+def test_bad_format_in_a_train_config_is_refused_before_anything_loads():
+    with pytest.raises(UserError, match=r"^--prompt-format: must be plain, chat, fewshot:N") as e:
+        configs.validate(configs.TrainConfig(prompt_format="fewshot:0"))
+    assert "\n" not in str(e.value)
+    assert configs.validate(configs.TrainConfig(prompt_format="fewshot:3")).prompt_format == "fewshot:3"
 
 
 def test_sft_records_the_format_and_eval_reuses_it(tmp_path, plain_tok):

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import yaml
 
 from vineppo.errors import UserError
+from vineppo.prompts import FORMAT
 
 PRESETS = Path(__file__).parent / "configs"
 
@@ -114,6 +115,7 @@ RULES: dict[str, Rule] = {
     "token_budget": AT_LEAST_1, "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
     "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,
     "val_problems": AT_LEAST_0,
+    "prompt_format": (lambda v: FORMAT.fullmatch(v) is not None, "must be plain, chat, fewshot:N (N >= 1) or auto"),
 }
 
 # Rules over several fields: (the field an error names, test, what must hold).

@@ -25,9 +25,12 @@ HELP = "plain, chat, fewshot:N or auto (default: the model folder's recorded for
        "tokenizer has a chat template, else plain)"
 
 
+FORMAT = re.compile(r"auto|plain|chat|fewshot:[1-9]\d*")  # a format's name (config.RULES checks it too)
+
+
 def check_format(spec: str) -> str:
     """`spec` if it names a format, else a UserError naming --prompt-format."""
-    if spec in ("auto", "plain", "chat") or re.fullmatch(r"fewshot:[1-9]\d*", spec):
+    if FORMAT.fullmatch(spec):
         return spec
     raise UserError(f"--prompt-format {spec!r}: use plain, chat, fewshot:N (N >= 1) or auto")
 
@@ -77,10 +80,10 @@ class Prompter:
 
     def prompt(self, ex: Example) -> list[int]:
         """Token ids of the prompt (with the tokenizer's own prefix, e.g. BOS, outside chat)."""
-        return self.encode([ex])[0]
+        return self.tokenizer(self.text(ex), add_special_tokens=self.format != "chat")["input_ids"]
 
     def encode(self, examples: list[Example]) -> list[list[int]]:
-        """Token ids of the prompts of `examples`, tokenized as one batch."""
+        """Token ids of the prompts of `examples`, tokenized as one batch (fast for a whole training set)."""
         return self.tokenizer([self.text(ex) for ex in examples], add_special_tokens=self.format != "chat")["input_ids"]
 
     def target(self, ex: Example) -> list[int]:

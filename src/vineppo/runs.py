@@ -44,7 +44,7 @@ LOCK = ".lock"
 START = "start_model.json"
 # What a run writes besides config.yaml: removed when a run that stopped before its first checkpoint restarts.
 ARTIFACTS = ("metrics.jsonl", "summary.json", START, "tensorboard", "wandb", "checkpoints")
-WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 
 
 def reason(e: BaseException) -> str:
@@ -199,16 +199,17 @@ def damage(ckpt: Path) -> str | None:
 
 
 def weights_digest(model: str) -> str | None:
-    """sha256 over the weight files of a model folder (or a hub id's cached snapshot); None when not on disk."""
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
+    """sha256 over the weight files of a model folder, a .gguf file, or a hub id's cached snapshot; None when not on
+    disk."""
+    path = Path(model).expanduser()
+    if not path.exists():
         try:
             from huggingface_hub import snapshot_download  # only for hub ids
 
-            folder = Path(snapshot_download(model, local_files_only=True))
+            path = Path(snapshot_download(model, local_files_only=True))
         except Exception:  # noqa: BLE001 - not a hub id, or not in the cache: nothing on disk to hash
             return None
-    files = sorted({f for pattern in WEIGHTS for f in folder.glob(pattern)})
+    files = [path] if path.is_file() else sorted({f for pattern in WEIGHTS for f in path.glob(pattern)})
     if not files:
         return None
     h = hashlib.sha256()
