@@ -16,7 +16,7 @@ from vineppo.tasks import Example, Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
 ARITH = get_task("arith")
-MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps,
+MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps, extract=ARITH.extract,
                      load=lambda split, path=None, seed=0: load_arith(split, path, seed, size=256 if split == "train" else 6)))
 EMPTY = register(Task(name="arith-empty", grade=ARITH.grade, split_steps=ARITH.split_steps,
                       load=lambda split, path=None, seed=0: []))
@@ -104,7 +104,10 @@ def test_cli_eval_json(tiny, capsys, tmp_path):
                   "--max-new-tokens", "16", "--out", str(tmp_path / "r.jsonl"), "--json"])
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"pass@1", "greedy", "problems", "samples", "parsable"} and out["problems"] == 2
+    assert set(out) == {"pass@1", "greedy", "lenient_pass@1", "lenient_greedy", "parsable", "greedy_parsable",
+                        "problems", "samples", "prompt_format", "tokens", "tokens_per_s"} and out["problems"] == 2
+    assert out["prompt_format"] == "plain"  # the tiny tokenizer has no chat template
+    assert out["lenient_pass@1"] >= out["pass@1"] and 0 <= out["parsable"] <= 1
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
 
 

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from vineppo import distributed as dist
 from vineppo.errors import UserError
+from vineppo.prompts import save_format
 
 try:
     import fcntl
@@ -43,7 +44,7 @@ LOCK = ".lock"
 START = "start_model.json"
 # What a run writes besides config.yaml: removed when a run that stopped before its first checkpoint restarts.
 ARTIFACTS = ("metrics.jsonl", "summary.json", START, "tensorboard", "wandb", "checkpoints")
-WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 
 
 def reason(e: BaseException) -> str:
@@ -198,16 +199,17 @@ def damage(ckpt: Path) -> str | None:
 
 
 def weights_digest(model: str) -> str | None:
-    """sha256 over the weight files of a model folder (or a hub id's cached snapshot); None when not on disk."""
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
+    """sha256 over the weight files of a model folder, a .gguf file, or a hub id's cached snapshot; None when not on
+    disk."""
+    path = Path(model).expanduser()
+    if not path.exists():
         try:
             from huggingface_hub import snapshot_download  # only for hub ids
 
-            folder = Path(snapshot_download(model, local_files_only=True))
+            path = Path(snapshot_download(model, local_files_only=True))
         except Exception:  # noqa: BLE001 - not a hub id, or not in the cache: nothing on disk to hash
             return None
-    files = sorted({f for pattern in WEIGHTS for f in folder.glob(pattern)})
+    files = [path] if path.is_file() else sorted({f for pattern in WEIGHTS for f in path.glob(pattern)})
     if not files:
         return None
     h = hashlib.sha256()
@@ -251,8 +253,10 @@ def write_atomic(path: Path, text: str) -> None:
         raise UserError(f"cannot write {path}: {reason(e)}") from None
 
 
-def save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt, state: dict, keep: int) -> None:
-    """Write checkpoint iter-<state['iteration']> atomically (rank 0), point `latest` at it, keep the newest `keep`."""
+def save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt, state: dict, keep: int,
+                    prompt_format: str | None = None) -> None:
+    """Write checkpoint iter-<state['iteration']> atomically (rank 0), point `latest` at it, keep the newest `keep`;
+    `prompt_format` is recorded in it (vineppo.prompts), so it evaluates and trains in the format it learned."""
     if not dist.is_main():
         dist.barrier()
         return
@@ -265,6 +269,8 @@ def save_checkpoint(out: Path, policy, tokenizer, optimizer, critic, critic_opt,
         tmp.mkdir(parents=True)
         policy.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if prompt_format:
+            save_format(tmp, prompt_format)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         if critic is not None:
             torch.save({"critic": critic.state_dict(), "optimizer": critic_opt.state_dict()}, tmp / "critic.pt")

@@ -1,8 +1,11 @@
 """`vineppo sft`: supervised fine-tuning on a task's reference solutions (the starting point of RL).
 
-Each example is prompt + " " + solution + EOS; the loss is the mean cross-entropy over the target tokens
-only. AdamW, linear warmup then cosine decay, gradient clipping at 1.0, batches of similar length. The
-final model is written atomically (temp folder, then rename), so a killed run never leaves half a model.
+Each example is a prompt and its reference response in the chosen prompt format (vineppo.prompts: plain
+`Problem: ... Solution:` + " " + solution + EOS, or the chat template's user and assistant turns with the
+end-of-turn token, or few-shot); the loss is the mean cross-entropy over the response tokens only. The
+format is recorded in the output folder (`vineppo.json`), so `eval` and `train` reuse it. AdamW, linear
+warmup then cosine decay, gradient clipping at 1.0, batches of similar length. The final model is written
+atomically (temp folder, then rename), so a killed run never leaves half a model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vineppo import config as configs
 from vineppo.errors import UserError
-from vineppo.models import context_length, encode_prompt, encode_target, load_model, pick_device, tiny_model
+from vineppo.models import context_length, load_model, pick_device, tiny_model
+from vineppo.prompts import HELP, Prompter, check_format, save_format
 from vineppo.runs import make_folder
 from vineppo.tasks import get_task
 from vineppo.tracking import console
@@ -54,12 +58,12 @@ def ensure_sft_model(task: str, out: str | Path | None = None, **hyperparams) ->
     return run_sft(task, out=out, **hyperparams)
 
 
-def tokenize_examples(tokenizer, task, examples, max_len: int) -> list[tuple[list[int], int]]:
+def tokenize_examples(prompter: Prompter, examples, max_len: int) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) per example; examples longer than max_len are dropped."""
     data = []
     for ex in examples:
-        p = encode_prompt(tokenizer, task.prompt(ex))
-        ids = p + encode_target(tokenizer, task.target(ex))
+        p = prompter.prompt(ex)
+        ids = p + prompter.target(ex)
         if len(ids) <= max_len:
             data.append((ids, len(p)))
     return data
@@ -138,14 +142,16 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
             epochs: float | None = None, lr: float | None = None, batch_size: int | None = None,
             max_steps: int | None = None, warmup: float | None = None, seed: int = 0, device: str | None = None,
             bf16: bool | None = None, arch: str = "llama", hidden: int | None = None, layers: int | None = None,
-            grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True) -> Path:
+            grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True,
+            prompt_format: str | None = None) -> Path:
     """Fine-tune `model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
     configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
                              hidden=hidden, layers=layers), RULES)
     task = get_task(task_name)
     out = Path(out) if out is not None else default_sft_dir(task_name)
     dev = pick_device(device)
-    examples = task.load("train", data, seed)  # read first: a bad file fails before a model loads
+    check_format(prompt_format or "auto")  # a bad flag or file fails before a model loads
+    examples = task.load("train", data, seed)
     if not examples:
         raise UserError(f"task {task_name!r}: the training set is empty")
     torch.manual_seed(seed)
@@ -160,7 +166,8 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
           dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if bf16 is None else bf16
 
-    items = tokenize_examples(tokenizer, task, examples, context_length(net))
+    prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
+    items = tokenize_examples(prompter, examples, context_length(net))
     if not items:
         raise UserError(f"task {task_name!r}: every training example is longer than the model's context")
     if len(items) < len(examples):  # never a silent skip: say how many did not fit
@@ -184,13 +191,15 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm))
 
     config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
-                  device=str(dev), bf16=use_bf16, arch=arch if model == "tiny" else None, **hp)
+                  device=str(dev), bf16=use_bf16, arch=arch if model == "tiny" else None,
+                  prompt_format=prompter.format, **hp)
     t0 = time.time()
     tmp = temp_dir(out)
     try:
         _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, log_every, progress, tmp, opt, sched)
         config["time_s"] = round(time.time() - t0, 1)
         (tmp / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_format(tmp, prompter.format)
         save_atomic(net, tokenizer, tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -257,7 +266,9 @@ def _defaults(key: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo sft`."""
     p.add_argument("--task", default="arith", help="task name (default: arith)")
-    p.add_argument("--model", default="tiny", help="hub id, local folder, or 'tiny' to build the small CPU model")
+    p.add_argument("--model", default="tiny",
+                   help="hub id, local folder, .gguf file, or 'tiny' to build the small CPU model")
+    p.add_argument("--prompt-format", default=None, help=HELP)
     p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
@@ -280,6 +291,6 @@ def run(args: argparse.Namespace) -> int:
     out = run_sft(args.task, model=args.model, out=args.out, data=args.data, epochs=args.epochs, lr=args.lr,
                   batch_size=args.batch_size, max_steps=args.max_steps, warmup=args.warmup, seed=args.seed,
                   device=args.device, bf16=args.bf16, arch=args.arch, hidden=args.hidden, layers=args.layers,
-                  grad_checkpointing=args.grad_checkpointing)
+                  grad_checkpointing=args.grad_checkpointing, prompt_format=args.prompt_format)
     print(f"saved SFT model to {out}")
     return 0

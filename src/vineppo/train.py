@@ -8,6 +8,7 @@ Read `train` top to bottom.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import random
@@ -28,6 +29,7 @@ from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length
 from vineppo.ppo import Critic
+from vineppo.prompts import Prompter
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
@@ -63,13 +65,14 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
     if main and resume:
         runs.check_start_model(out, model_dir)
-    from vineppo.models import disable_dropout, encode_prompt, load_model
+    from vineppo.models import disable_dropout, load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
-    _check_lengths(cfg, task, tokenizer, policy, train_set, test_set, val_set)
-    reference, _ = load_model(model_dir, device=str(device), verbose=False)
-    reference.requires_grad_(False)
-    critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
+    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
+    _check_lengths(cfg, prompter, policy, train_set, test_set, val_set)
+    # copies, not second loads (a .gguf file takes tens of seconds to read)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    critic = Critic.from_model(policy) if cfg.estimator == "gae" else None
     for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
         if net is not None:
             disable_dropout(net)
@@ -104,7 +107,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             mine = examples[dist.rank()::dist.world()]
             result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples,
                               temperature=cfg.eval_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed + iteration, token_budget=cfg.token_budget)
+                              seed=cfg.seed + iteration, token_budget=cfg.token_budget, prompter=prompter)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
         return scores
@@ -138,7 +141,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         bar.update(job, status="sampling")
         picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
-        prompt_ids = [encode_prompt(tokenizer, task.prompt(ex)) for _, ex in mine]
+        prompt_ids = prompter.encode([ex for _, ex in mine])
         outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
 
         # 2. Grade and cut into steps.
@@ -186,7 +189,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
-            runs.save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints)
+            runs.save_checkpoint(out, policy, tokenizer, optimizer, critic, critic_opt, state, cfg.keep_checkpoints,
+                                 prompt_format=prompter.format)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                             if "test/pass@1" in metrics else "")
         bar.update(job, advance=1, status=status)
@@ -285,14 +289,14 @@ def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Exampl
     return train_set, test_set[: cfg.eval_problems], val_set
 
 
-def _check_lengths(cfg: TrainConfig, task: Task, tokenizer, model, train_set: list[Example],
+def _check_lengths(cfg: TrainConfig, prompter: Prompter, model, train_set: list[Example],
                    test_set: list[Example], val_set: list[Example]) -> None:
     """Refuse, before any work, a prompt that with --max-new-tokens does not fit the model's context or one engine row."""
     ctx = context_length(model)
     for split, examples in (("training", train_set), (cfg.eval_split, test_set), ("validation", val_set)):
         if not examples:
             continue
-        lengths = [len(ids) for ids in tokenizer([task.prompt(ex) for ex in examples])["input_ids"]]
+        lengths = [len(ids) for ids in prompter.encode(examples)]
         n = max(lengths)
         ex = examples[lengths.index(n)]
         where = f"{split} problem {ex.id!r}: its prompt is {n} tokens"
