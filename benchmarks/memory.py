@@ -125,7 +125,7 @@ def one(name: str, folder: str, args: argparse.Namespace) -> dict:
                                lr=1e-6))
     policy, tokenizer = load_model(folder, device=str(device), dtype=policy_dtype(cfg), verbose=False)
     n_params = sum(p.numel() for p in policy.parameters())
-    models = build_models(cfg, policy, folder, device)
+    models = build_models(cfg, policy, device)
     policy = models.trained.policy
     for model in (policy, models.reference):  # transformers maps weight files lazily: page every weight in now
         plain = isinstance(model, torch.nn.Module) and not parallel.sharded(model)  # (shards are copies already)

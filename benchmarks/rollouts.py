@@ -1,9 +1,12 @@
 """Benchmark of the rollout engine on the Monte Carlo workload of one VinePPO iteration (small scale).
 
-    python benchmarks/rollouts.py [--json] [--model DIR] [--naive-fraction 0.2] [--threads N] [--repeats 3]
+    python benchmarks/rollouts.py [--json] [--model DIR|FILE.gguf|HUB_ID] [--naive-fraction 0.2] [--threads N]
+                                  [--repeats 3] [--prompts 64] [--max-new-tokens N]
 
-Workload: 64 prompts, one response each (T=0.6, top-p 0.9), every step boundary of every response
-(the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
+Workload: 64 prompts (`--prompts`), one response each (T=0.6, top-p 0.9), every step boundary of every
+response (the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
+With ``--model``, the prompts are the `arith` task's in the model's prompt format (vineppo.prompts: the
+recorded one, else chat when the tokenizer has a chat template, else plain), and up to 256 new tokens.
 
 Reports
 - native: the engine's throughput (generated tokens/s) on the whole continuation workload (median of --repeats);
@@ -29,7 +32,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 
 import torch
@@ -51,7 +53,7 @@ def _threads(n=None):
     return n
 
 
-def random_setup(seed=0):
+def random_setup(seed=0, n_prompts=N_PROMPTS, max_new=60):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -62,13 +64,13 @@ def random_setup(seed=0):
     model = LlamaForCausalLM(cfg).eval()
     rng = random.Random(seed)
     seqs, bounds = [], []
-    for _ in range(N_PROMPTS):
+    for _ in range(n_prompts):
         p = [rng.randrange(2, V) for _ in range(rng.randint(60, 100))]
         r = [rng.randrange(2, V) for _ in range(rng.randint(40, 80))]
         b = [len(p)] + [len(p) + t for t in range(12, len(r) - 4, 12)]
         seqs.append(p + r)
         bounds.append(b)
-    return model, None, seqs, bounds, SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=60), 1
+    return model, None, seqs, bounds, SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=max_new), 1
 
 
 def _token_boundary(tokenizer, ids, char_offset):
@@ -83,26 +85,17 @@ def _token_boundary(tokenizer, ids, char_offset):
     return lo
 
 
-def model_setup(path, seed=0):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def model_setup(path, seed=0, n_prompts=N_PROMPTS, max_new=256):
+    from vineppo.models import load_model
+    from vineppo.prompts import Prompter
+    from vineppo.tasks import get_task
 
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    stop: tuple[str, ...] = ()
-    try:  # prompts of the project's arith task when available
-        from vineppo.tasks import get_task
-
-        task = get_task("arith")
-        exs = task.load("train", None, seed)[:N_PROMPTS]
-        prompts = [tok(task.prompt(e), add_special_tokens=True)["input_ids"] for e in exs]
-        stop = tuple(task.stop)
-        split = task.split_steps
-    except Exception as e:  # noqa: BLE001
-        print(f"(arith task unavailable: {e}; random prompts)", file=sys.stderr)
-        rng = random.Random(seed)
-        prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(60, 100))] for _ in range(N_PROMPTS)]
-        split = lambda text: text.splitlines(keepends=True)  # noqa: E731
-    params = SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=256, stop=stop)
+    model, tok = load_model(path, device="cpu", verbose=False)
+    task = get_task("arith")
+    prompter = Prompter(task, tok, model=path)
+    prompts = [prompter.prompt(e) for e in task.load("train", None, seed)[:n_prompts]]
+    split = task.split_steps
+    params = SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=max_new, stop=tuple(task.stop))
     eng = Engine(model, tok)
     g = seeded_generator(model, seed)
     resp = eng.generate(prompts, 1, params, generator=g)
@@ -153,7 +146,7 @@ def run_native(model, tok, seqs, bounds, params, seed=0):
                             mean_rows=sum(rows) / max(1, len(rows)), max_rows=max(rows, default=0))
 
 
-def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_id, seed=0):
+def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_ids, seed=0):
     prefixes = [s[:b] for s, bs in zip(seqs, bounds) for b in bs]
     rng = random.Random(seed)
     rng.shuffle(prefixes)
@@ -175,9 +168,9 @@ def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_id
             out = model.generate(ids, attention_mask=am, do_sample=True, temperature=params.temperature,
                                  top_p=params.top_p, top_k=0, num_return_sequences=K,
                                  max_new_tokens=params.max_new_tokens, pad_token_id=pad,
-                                 eos_token_id=eos_id, **kw)[:, P:]
+                                 eos_token_id=eos_ids or None, **kw)[:, P:]
             for row in out.tolist():
-                n_tok += (row.index(eos_id) + 1) if eos_id is not None and eos_id in row else len(row)
+                n_tok += next((t + 1 for t, x in enumerate(row) if x in eos_ids), len(row))
     dt = time.perf_counter() - t0
     return n_tok / dt, dict(seconds=dt, tokens=n_tok, prefixes=len(prefixes))
 
@@ -216,7 +209,10 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--model", help="a saved Hugging Face model folder (default: tiny random Llama)")
+    ap.add_argument("--model", help="a model folder, .gguf file or hub id (default: tiny random Llama)")
+    ap.add_argument("--prompts", type=int, default=N_PROMPTS, help="responses in the workload (fewer: a quicker run)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="response / continuation length cap (default: 256 with --model, 60 without)")
     ap.add_argument("--naive-fraction", type=float, default=0.2, help="share of prefixes the naive baseline runs")
     ap.add_argument("--naive-batch", type=int, default=32, help="prefixes per naive generate() call (x K rows)")
     ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
@@ -226,11 +222,12 @@ def main(argv=None):
     threads = _threads(args.threads)
 
     if args.model:
-        model, tok, seqs, bounds, params, note = model_setup(args.model)
-        eos_id = tok.eos_token_id
+        model, tok, seqs, bounds, params, note = model_setup(args.model, n_prompts=args.prompts,
+                                                             max_new=args.max_new_tokens or 256)
+        eos_ids = Engine(model, tok).eos_token_ids  # every end-of-turn token, as the engine stops on
     else:
-        model, tok, seqs, bounds, params, note = random_setup()
-        eos_id = None
+        model, tok, seqs, bounds, params, note = random_setup(n_prompts=args.prompts, max_new=args.max_new_tokens or 60)
+        eos_ids = []
     n_bounds = sum(map(len, bounds))
     # engine and limit alternate, so both see the same (shared, noisy) machine; medians are reported
     natives, limits = [], []
@@ -244,7 +241,7 @@ def main(argv=None):
             ctx = int(mean_prefix + mean_cont / 2)
         limits.append(run_limit(model, rows, ctx))
     native, limit = statistics.median(natives), statistics.median(limits)
-    naive, vinfo = run_naive(model, tok, seqs, bounds, params, args.naive_batch, args.naive_fraction, eos_id)
+    naive, vinfo = run_naive(model, tok, seqs, bounds, params, args.naive_batch, args.naive_fraction, eos_ids)
     limit_hf = run_limit(model, rows, ctx, buffered=False)
     res = {
         "native_tokens_per_s": native,

@@ -13,7 +13,7 @@ from vineppo import config as configs
 from vineppo.algorithms import Context, dpo_positive_loss, keep_correct, preference_pairs
 from vineppo.credit import Episode
 from vineppo.errors import UserError
-from vineppo.models import encode_prompt, encode_target, load_model
+from vineppo.models import load_model
 from vineppo.tasks import TASKS, get_task, register
 from vineppo.train import train
 
@@ -141,9 +141,10 @@ def _arith_episodes(tokenizer, rewards: list[list[int]]) -> list[Episode]:
     """Real token ids: one arith-like prompt per group, a response per reward."""
     episodes = []
     for g, rs in enumerate(rewards):
-        prompt = encode_prompt(tokenizer, f"Problem:\nAva has {g + 2} coins. She gets 3 more. How many?\n\nSolution:")
+        prompt = tokenizer(f"Problem:\nAva has {g + 2} coins. She gets 3 more. How many?\n\nSolution:")["input_ids"]
         for j, r in enumerate(rs):
-            response = encode_target(tokenizer, f" {g + 2} + 3 = {g + 5 + (1 - r) * (j + 1)}\n#### {g + 5}")
+            text = f" {g + 2} + 3 = {g + 5 + (1 - r) * (j + 1)}\n#### {g + 5}"
+            response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             episodes.append(Episode(prompt, response, "", float(r), g, str(g + 5), [(0, len(response))]))
     return episodes
 
@@ -257,7 +258,7 @@ def test_restem_under_lora_restarts_from_fresh_adapters(tiny_sft):
     for p in optimizer.param_groups[0]["params"]:  # as after an earlier round: trained adapters, AdamW moments
         p.grad = torch.full_like(p, 0.1)
     optimizer.step()
-    ids = torch.tensor([encode_prompt(tokenizer, "Problem:\n2 + 3\n\nSolution:")])
+    ids = torch.tensor([tokenizer("Problem:\n2 + 3\n\nSolution:")["input_ids"]])
     with torch.no_grad():
         want = base(input_ids=ids).logits
         assert not torch.allclose(policy(input_ids=ids).logits, want, atol=1e-4)

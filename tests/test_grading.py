@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vineppo.grading import MATH_TIMEOUT, grade_gsm8k, grade_math, last_boxed, math_equal
+from vineppo.grading import (MATH_TIMEOUT, extract_gsm8k, grade_gsm8k, grade_math, last_boxed, lenient_answer,
+                             lenient_gsm8k, lenient_math, math_equal)
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -122,3 +123,28 @@ def test_grade_math_from_threads():
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda a: grade_math(rf"\boxed{{{a}}}", "x+1"), ["1+x", "x+2", "x+1", "2x"]))
     assert got == [1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("completion,answer,strict,lenient,parsable", [
+    ("so 18\n#### 18", "18", 1.0, 1.0, True),  # the strict reading counts for lenient too
+    ("Natalia sold 72 clips. The answer is 72.", "72", 0.0, 1.0, False),
+    ("The answer is: $1,000 in total", "1000", 0.0, 1.0, False),
+    ("She has \\boxed{18} apples left.", "18", 0.0, 1.0, False),
+    ("48 / 2 = 24\n48 + 24 = 72", "72", 0.0, 1.0, False),  # the last number
+    ("The answer is 72.\n#### 70", "72", 0.0, 0.0, True),  # a `####` line wins over any other reading
+    ("#### The total is 72", "72", 0.0, 1.0, False),  # strict wants the number first on the `####` line
+    ("no digits at all", "72", 0.0, 0.0, False),
+])
+def test_lenient_gsm8k_reads_what_strict_does_not(completion, answer, strict, lenient, parsable):
+    assert grade_gsm8k(completion, answer) == strict
+    assert lenient_gsm8k(completion, answer) == lenient
+    assert (extract_gsm8k(completion) is not None) == parsable
+
+
+def test_lenient_math():
+    assert lenient_math("The answer is $\\frac{1}{2}$.", "\\frac{1}{2}") == 1.0
+    assert grade_math("The answer is $\\frac{1}{2}$.", "\\frac{1}{2}") == 0.0
+    assert lenient_math("so x = 3 and \\boxed{4}", "4") == 1.0
+    assert lenient_math("we get 12 and then 7", "7") == 1.0
+    assert lenient_math("nothing here", "7") == 0.0 and lenient_answer("nothing here") is None
+

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from vineppo import config as configs
 from vineppo import parallel
 from vineppo.ppo import UpdateConfig, pack, ppo_update, token_logprobs
+from vineppo.prompts import saved_format
 from vineppo.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,6 +153,7 @@ def test_lora_resume_is_bit_identical_and_the_merged_export_equals_the_adapted_m
     subprocess.run([sys.executable, "-m", "vineppo", "export", str(full), "--out", str(out), "--json"], check=True,
                    capture_output=True, timeout=300)
     merged = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no peft
+    assert saved_format(out) == saved_format(ckpt) is not None  # the prompt format the run trained in travels too
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_sft), str(ckpt))
     ids = torch.tensor([[3, 17, 5, 9, 12, 40, 7]])
     with torch.no_grad():

@@ -65,3 +65,50 @@ def test_hub_id_offline_is_fast_one_line_error(monkeypatch):
     with pytest.raises(UserError, match="cannot load model") as e:
         load_model("vineppo-test-org/no-such-model-123")
     assert "\n" not in str(e.value)
+
+
+def test_hub_id_unreachable_is_fast_one_line_error(monkeypatch):
+    import time
+
+    from vineppo import models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "reachable", lambda *a, **k: False)  # a firewalled host: no minutes of retries
+    start = time.perf_counter()
+    with pytest.raises(UserError, match="huggingface.co cannot be reached") as e:
+        load_model("vineppo-test-org/no-such-model-123")
+    assert "\n" not in str(e.value) and time.perf_counter() - start < 30
+
+
+def test_gguf_paths_and_missing_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "a.gguf").write_bytes(b"")
+    (two / "b.gguf").write_bytes(b"")
+    with pytest.raises(UserError, match="holds 2 .gguf files"):
+        load_model(two)
+    with pytest.raises(UserError, match="not found"):
+        load_model(tmp_path / "missing.gguf")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    for path in (two / "a.gguf", tmp_path / "one"):  # a file, or a folder holding exactly one
+        (tmp_path / "one").mkdir(exist_ok=True)
+        (tmp_path / "one" / "m.gguf").write_bytes(b"")
+        with pytest.raises(UserError, match=r"needs the package\(s\) gguf: pip install 'vineppo\[gguf\]'") as e:
+            load_model(path)
+        assert "\n" not in str(e.value)
+
+
+
+def test_start_model_digest_covers_gguf_files(tmp_path):
+    """A run started from a .gguf file (or a folder holding one) records its weights, so resume can compare."""
+    from vineppo.runs import weights_digest
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"weights one")
+    first = weights_digest(str(gguf))
+    assert first is not None and weights_digest(str(tmp_path)) is not None
+    gguf.write_bytes(b"weights two")
+    assert weights_digest(str(gguf)) not in (None, first)

@@ -286,6 +286,22 @@ def test_summary_that_cannot_be_written_is_one_line_and_keeps_the_checkpoints(ru
     assert "\n" not in str(e.value) and not list(run.glob(".summary*"))
 
 
+def test_full_disk_while_logging_metrics_is_one_line_that_says_how_to_resume(run, monkeypatch):
+    from pathlib import Path
+
+    real = Path.open
+
+    def failing(self, mode="r", *a, **k):
+        if self.name == "metrics.jsonl" and mode == "a":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real(self, mode, *a, **k)
+
+    monkeypatch.setattr(Path, "open", failing)
+    with pytest.raises(UserError, match="the disk is full; the checkpoints in") as e:
+        train(_resumed(run, 3), resume=run)
+    assert f"--resume {run} continues from iter-000002" in str(e.value) and "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------ 7. misleading messages
 
 

@@ -1,6 +1,8 @@
 """SFT and eval on tiny models (Llama, GPT-2, Qwen2 configs built locally; nothing downloaded)."""
 
 import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from vineppo.tasks import Example, Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
 ARITH = get_task("arith")
-MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps,
+MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps, extract=ARITH.extract,
                      load=lambda split, path=None, seed=0: load_arith(split, path, seed, size=256 if split == "train" else 6)))
 EMPTY = register(Task(name="arith-empty", grade=ARITH.grade, split_steps=ARITH.split_steps,
                       load=lambda split, path=None, seed=0: []))
@@ -102,7 +104,10 @@ def test_cli_eval_json(tiny, capsys, tmp_path):
                   "--max-new-tokens", "16", "--out", str(tmp_path / "r.jsonl"), "--json"])
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"pass@1", "greedy", "problems", "samples", "parsable"} and out["problems"] == 2
+    assert set(out) == {"pass@1", "greedy", "lenient_pass@1", "lenient_greedy", "parsable", "greedy_parsable",
+                        "problems", "samples", "prompt_format", "tokens", "tokens_per_s"} and out["problems"] == 2
+    assert out["prompt_format"] == "plain"  # the tiny tokenizer has no chat template
+    assert out["lenient_pass@1"] >= out["pass@1"] and 0 <= out["parsable"] <= 1
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
 
 
@@ -179,3 +184,21 @@ def test_sft_help_states_current_defaults(capsys):
         m = re.search(re.escape(flag) + r" [A-Z_]+ [^()]*\(tiny: ([^,]+), pretrained: ([^)]+)\)", text)
         assert m, f"{flag}: no defaults in the help text"
         assert (float(m[1]), float(m[2])) == (TINY_DEFAULTS[key], PRETRAINED_DEFAULTS[key]), flag
+
+
+def test_sft_prints_progress_lines_when_output_is_not_a_terminal(tmp_path, capsys):
+    run_sft("arith-mini", out=tmp_path / "m", max_steps=40, batch_size=16, device="cpu", progress=True, **SIZE)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("sft: step")]
+    assert len(lines) == 20 and lines[-1].startswith("sft: step 40/40 (100%)")
+    assert "tok/s" in lines[0] and "left" in lines[0]
+
+
+def test_sft_removes_the_temp_folder_a_killed_run_left(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs, as after a SIGKILL
+    stale, live = tmp_path / f".m.tmp-{dead.pid}", tmp_path / f".m.tmp-{os.getppid()}"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    sft(tmp_path / "m", steps=2)
+    assert not stale.exists() and live.exists()  # a running process's folder is left alone

@@ -45,6 +45,7 @@ from vineppo import config as configs
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
+from vineppo.prompts import HELP, Prompter
 from vineppo.runs import make_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
 
@@ -120,14 +121,13 @@ class Node:
         return max_new_tokens - (self.boundary - self.prompt_len)
 
 
-def sample_states(engine, tokenizer, task, examples: list, n_states: int, params: SamplingParams,
+def sample_states(engine, prompter: Prompter, task, examples: list, n_states: int, params: SamplingParams,
                   generator: torch.Generator, rng: random.Random) -> list[dict]:
     """Up to n_states states, one per sampled response (t uniform in 0..T-1), with the response's group rewards."""
-    from vineppo.models import encode_prompt
-
+    tokenizer = prompter.tokenizer
     n_problems = min(len(examples), math.ceil(n_states / RESPONSES_PER_PROBLEM))
     problems = rng.sample(examples, n_problems)
-    prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in problems]
+    prompts = [prompter.prompt(ex) for ex in problems]
     outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator)
     states = []
     for ex, prompt, samples in zip(problems, prompts, outputs):
@@ -190,13 +190,13 @@ def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes
 def analyze(engine, tokenizer, task, examples: list, states: int = 64, gt_k: int = 256, ranking_states: int = 16,
             alternatives: int = 5, seed: int = 0, max_new_tokens: int = 1024,
             critic_values: Callable[[list[Node]], list[float]] | None = None,
-            progress: Callable[[int, int], None] | None = None) -> dict:
+            progress: Callable[[int, int], None] | None = None, prompter: Prompter | None = None) -> dict:
     """Value MAE and step-ranking accuracy of every method against Monte Carlo ground truth (see module doc)."""
     rng = random.Random(seed)
     gen = torch.Generator(device=getattr(engine, "device", "cpu")).manual_seed(seed)
     params = SamplingParams(TEMPERATURE, TOP_P, max_new_tokens, tuple(task.stop))
     t0 = time.perf_counter()
-    picked = sample_states(engine, tokenizer, task, examples, states, params, gen, rng)
+    picked = sample_states(engine, prompter or Prompter(task, tokenizer), task, examples, states, params, gen, rng)
     live = [i for i, s in enumerate(picked) if s["node"].terminal is None]  # a finished response has no next step
     ranked = sorted(rng.sample(live, min(ranking_states, len(live))))
     alts = sample_alternatives(engine, tokenizer, task, [picked[i]["node"] for i in ranked], alternatives, params, gen)
@@ -344,7 +344,9 @@ def plot(result: dict, path: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo analyze-values`."""
-    p.add_argument("--model", default=None, help="policy folder (default with --critic: that run's latest checkpoint)")
+    p.add_argument("--model", default=None,
+                   help="policy folder, .gguf file or hub id (default with --critic: that run's latest checkpoint)")
+    p.add_argument("--prompt-format", default=None, help=HELP)
     p.add_argument("--task", default="arith", help="task name (default: arith)")
     p.add_argument("--critic", default=None, metavar="RUN_DIR", help="a `vineppo train --algo ppo` run folder")
     p.add_argument("--states", type=int, default=64, help="states whose value is estimated (default 64)")
@@ -392,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
     if model_dir is None:
         raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
     model, tokenizer = load_model(model_dir, device=str(device))
+    prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
     engine = Engine(model, tokenizer, token_budget=args.token_budget)
     critic_fn = critic_state_values(critic, tokenizer.pad_token_id) if critic is not None else None
 
@@ -401,7 +404,8 @@ def run(args: argparse.Namespace) -> int:
         result = analyze(engine, tokenizer, task, examples, states=args.states, gt_k=args.gt_k,
                          ranking_states=min(ranking_states, args.states), alternatives=args.alternatives,
                          seed=args.seed, max_new_tokens=args.max_new_tokens, critic_values=critic_fn,
-                         progress=lambda done, total: bar.update(job, completed=done, total=total, status=""))
+                         progress=lambda done, total: bar.update(job, completed=done, total=total, status=""),
+                         prompter=prompter)
     result["model"], result["critic"], result["task"] = model_dir, args.critic, args.task
 
     (out / "values.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import yaml
 
 from vineppo.errors import UserError
+from vineppo.prompts import FORMAT
 
 PRESETS = Path(__file__).parent / "configs"
 
@@ -44,7 +45,8 @@ class TrainConfig:
     estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
     data: str | None = None  # local training file for the task (None: the task's default source)
-    model: str = "auto"  # SFT model: folder or hub id; "auto" trains/caches the task's default tiny SFT model
+    model: str = "auto"  # SFT model: folder, .gguf file or hub id; "auto" trains/caches the task's tiny SFT model
+    prompt_format: str = "auto"  # plain | chat | fewshot:N | auto (the model's recorded format, else chat if it has one)
     out: str | None = None  # run folder (None: a fresh folder under runs/)
     seed: int = 0  # one seed for sampling, prompt order and minibatch order
     data_seed: int = 0  # seed of generated data sets (arith) and splits: fixed, so every seed sees one test set
@@ -123,6 +125,7 @@ RULES: dict[str, Rule] = {
     "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
     "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,
     "val_problems": AT_LEAST_0,
+    "prompt_format": (lambda v: FORMAT.fullmatch(v) is not None, "must be plain, chat, fewshot:N (N >= 1) or auto"),
 }
 
 NEEDS_PEFT = "needs peft (pip install 'vineppo[lora]')"

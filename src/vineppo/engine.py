@@ -78,6 +78,7 @@ class Sample:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
 
 
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 TOP_K = 32  # top-p sampling first tries the TOP_K most likely tokens (exact when they hold top_p of the mass)
 
 # flags computed on the device each step, so only flagged rows cost Python time
@@ -323,6 +324,11 @@ class Engine:
         eos: set[int] = set()
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
+        # A chat model ends a turn with a token that need not be its tokenizer's EOS (SmolLM2: <|endoftext|>
+        # besides <|im_end|>): every known end-of-turn token the tokenizer has as a special token stops a row.
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        special |= set(getattr(tokenizer, "added_tokens_encoder", ()))
+        eos.update(int(tokenizer.convert_tokens_to_ids(t)) for t in END_OF_TURN if t in special)
         gen_cfg = getattr(model, "generation_config", None)
         g_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
         if g_eos is not None:

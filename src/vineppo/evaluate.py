@@ -1,9 +1,11 @@
 """`vineppo eval`: pass@1 (the paper's protocol: mean correctness over 16 samples at T=0.35, top-p 0.9)
 and greedy accuracy of a model on a task, with per-problem results in a JSONL file.
 
-Each response's finish reason ("stop": EOS or a stop string; "length": cut off at --max-new-tokens) is
-recorded, and `parsable` is the fraction of responses (sampled and greedy) in which the task's strict
-extractor finds an answer, right or wrong: a low value means the grader cannot read the model's format.
+Beside the strict scores (the reward's grader) it reports lenient ones (`grading.lenient_answer`: "the
+answer is X", a `\\boxed{}` on GSM8K, the last number). Each response's finish reason ("stop": EOS or a stop
+string; "length": cut off at --max-new-tokens) is recorded, and `parsable` is the fraction of responses
+(sampled and greedy; `greedy_parsable`: greedy only) in which the task's strict extractor finds an answer,
+right or wrong: a model that knows answers but not the format shows up there.
 
 For GSM8K-format solutions (`a op b = c` lines, then `#### answer`) `first_error_step` says where a wrong
 response first goes wrong: a wrong result on line i, or a wrong number copied into it.
@@ -15,6 +17,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -23,7 +26,8 @@ from pathlib import Path
 from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
-from vineppo.models import context_length, encode_prompt, load_model, seeded_generator
+from vineppo.models import context_length, load_model, seeded_generator
+from vineppo.prompts import HELP, Prompter, check_format
 from vineppo.runs import make_folder
 from vineppo.tasks import Example, Task, get_task
 
@@ -77,15 +81,16 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
 
 def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
              top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
-             token_budget: int = 65536) -> dict:
-    """{'pass@1', 'greedy', 'problems', 'samples', 'parsable', 'results': per-problem rows} for `examples` (seeded)."""
+             token_budget: int = 65536, prompter: Prompter | None = None) -> dict:
+    """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples` (seeded)."""
     from vineppo.engine import Engine, SamplingParams
 
     if not examples:
         raise UserError(f"task {task.name!r}: no problems to evaluate (empty data set)")
     if samples < 0 or max_new_tokens < 1:
         raise UserError("--samples must be >= 0 and --max-new-tokens >= 1")
-    prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
+    prompter = prompter or Prompter(task, tokenizer)
+    prompts = [prompter.prompt(ex) for ex in examples]
     ctx = context_length(model)
     for ex, p in zip(examples, prompts):
         if len(p) >= ctx:
@@ -107,17 +112,33 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
     rows = []
     for ex, outs, g in zip(examples, sampled, greedy):
         marks = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in outs]
-        g_ok = outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason)
-        rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": sum(marks) / len(marks) if marks else None},
-                         correct=int(sum(marks)), samples=len(marks), greedy=g_ok, greedy_text=g[0].text,
+        lenient = [outcome_reward(task.lenient, s.text, ex.answer, s.finish_reason) for s in outs]
+        rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": _mean(marks), "lenient_pass@1": _mean(lenient)},
+                         correct=int(sum(marks)), samples=len(marks),
+                         greedy=outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason),
+                         greedy_lenient=outcome_reward(task.lenient, g[0].text, ex.answer, g[0].finish_reason),
+                         greedy_parsable=_parsable(task, g[0].text), greedy_text=g[0].text,
                          greedy_finish=g[0].finish_reason, sample_texts=[s.text for s in outs], sample_correct=marks,
+                         sample_lenient=lenient, sample_parsable=[_parsable(task, s.text) for s in outs],
                          sample_finish=[s.finish_reason for s in outs]))
-    scored = [r["pass@1"] for r in rows if r["pass@1"] is not None]
-    texts = [s.text for outs in sampled for s in outs] + [g[0].text for g in greedy]
-    parsable = sum(task.extract(t) is not None for t in texts) / len(texts) if task.extract else None
-    return {"pass@1": sum(scored) / len(scored) if scored else None,
-            "greedy": sum(r["greedy"] for r in rows) / len(rows),
-            "problems": len(rows), "samples": samples, "parsable": parsable, "results": rows}
+    parsable = [p for r in rows for p in r["sample_parsable"] + [r["greedy_parsable"]] if p is not None]
+    return {"pass@1": _mean([r["pass@1"] for r in rows if r["samples"]]),
+            "greedy": _mean([r["greedy"] for r in rows]),
+            "lenient_pass@1": _mean([r["lenient_pass@1"] for r in rows if r["samples"]]),
+            "lenient_greedy": _mean([r["greedy_lenient"] for r in rows]),
+            "parsable": _mean(parsable),
+            "greedy_parsable": _mean([r["greedy_parsable"] for r in rows if r["greedy_parsable"] is not None]),
+            "problems": len(rows), "samples": samples, "prompt_format": prompter.format,
+            "tokens": sum(len(s.token_ids) for outs in sampled + greedy for s in outs), "results": rows}
+
+
+def _parsable(task: Task, text: str) -> bool | None:
+    """Whether the task's strict extractor finds an answer in `text` (None: the task has no extractor)."""
+    return task.extract(text) is not None if task.extract else None
+
+
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def error_histogram(examples: list[Example], rows: list[dict]) -> dict[str, Counter]:
@@ -137,8 +158,9 @@ def error_histogram(examples: list[Example], rows: list[dict]) -> dict[str, Coun
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo eval`."""
-    p.add_argument("--model", default=None, help="model folder or hub id (default: runs/sft-<task>)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: runs/sft-<task>)")
     p.add_argument("--task", default="arith", help="task name (default: arith)")
+    p.add_argument("--prompt-format", default=None, help=HELP)
     p.add_argument("--split", default="test")
     p.add_argument("--data", default=None, help="data file for tasks that read one")
     p.add_argument("--samples", type=int, default=16, help="samples per problem for pass@1 (default 16)")
@@ -149,7 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
-    p.add_argument("--out", default=None, help="per-problem JSONL (default: <model>/eval-<task>-<split>.jsonl)")
+    p.add_argument("--out", default=None, help="per-problem JSONL (default: <model>/eval-<task>-<split>.jsonl, or "
+                                                "runs/<model name>/... when the model is not a saved folder)")
     p.add_argument("--errors", action="store_true", help="print where wrong responses first go wrong")
     p.add_argument("--json", action="store_true", help="print one JSON object with the scores")
 
@@ -159,15 +182,18 @@ def run(args: argparse.Namespace) -> int:
     from vineppo.sft import default_sft_dir
 
     configs.check_flags(vars(args), RULES)
+    check_format(args.prompt_format or "auto")
     task = get_task(args.task)
     examples = task.load(args.split, args.data, args.seed)[: args.limit]
     if not examples:
         raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
     name = args.model or str(default_sft_dir(args.task))
-    out = Path(args.out) if args.out else (Path(name) if Path(name).is_dir() else Path("runs") / name.replace("/", "--")) \
-        / f"eval-{args.task}-{args.split}.jsonl"
+    saved = Path(name) if (Path(name) / "config.json").is_file() else \
+        Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
+    out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
     make_folder(out.parent, f"--out {out}")
     model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
+    prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -179,17 +205,22 @@ def run(args: argparse.Namespace) -> int:
             bar.advance(job, done - last[0] if done >= last[0] else done)
             last[0] = done
 
+        start = time.perf_counter()
         res = evaluate(model, tokenizer, task, examples, samples=args.samples, temperature=args.temperature,
-                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick)
+                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick,
+                       prompter=prompter)
+        res["tokens_per_s"] = res["tokens"] / (time.perf_counter() - start)  # generated tokens, sampled and greedy
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
-    summary = {k: res[k] for k in ("pass@1", "greedy", "problems", "samples", "parsable")}
+    summary = {k: v for k, v in res.items() if k != "results"}
     if args.json:
         print(json.dumps(summary))
         return 0
-    p1 = "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.4f}"
-    parsable = "n/a" if summary["parsable"] is None else f"{summary['parsable']:.4f}"
-    print(f"{args.task}/{args.split}: pass@1 {p1} ({args.samples} samples, T={args.temperature}, "
-          f"top-p {args.top_p})  greedy {summary['greedy']:.4f}  parsable {parsable}  problems {summary['problems']}")
+    f = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary.items() if isinstance(v, float) or v is None}
+    print(f"{args.task}/{args.split}: pass@1 {f['pass@1']} ({args.samples} samples, T={args.temperature}, "
+          f"top-p {args.top_p})  greedy {f['greedy']}  problems {summary['problems']}")
+    print(f"  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  parsable (strict grader): "
+          f"all {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
+          f"{summary['tokens_per_s']:.1f} generated tokens/s")
     print(f"per-problem results: {out}", file=sys.stderr)
     if args.errors:
         hist = error_histogram(examples, res["results"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vineppo import config as configs
 from vineppo import runs
+from vineppo.prompts import save_format, saved_format
 from vineppo.errors import UserError
 
 
@@ -39,6 +40,9 @@ def export(run: Path, out: Path, checkpoint: str | None = None) -> dict:
     try:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        fmt = saved_format(ckpt)
+        if fmt:  # the format the run trained in, so eval and train of the export prompt as it learned
+            save_format(out, fmt)
     except OSError as e:
         raise UserError(f"cannot write the model in {out}: {runs.reason(e)}") from None
     return {"checkpoint": str(ckpt), "out": str(out), "merged_adapters": adapters}

@@ -249,3 +249,41 @@ def grade_math(completion: str, answer: str, timeout: float = MATH_TIMEOUT) -> f
         return float(got is not None and math_equal(got, answer, timeout))
     except Exception:  # a grader never raises
         return 0.0
+
+
+# -------------------------------------------------------------------------------------- lenient reading
+# A diagnosis for `vineppo eval` only (did the model know the answer but write it in another form?): the
+# reward, and every reported pass@1 without "lenient" in its name, stays the strict grader above.
+
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*([^\n]+)", re.I)
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def lenient_answer(text: str) -> str | None:
+    """The final answer read leniently: the last `####` line, else the last `\\boxed{}`, else what follows the
+    last "the answer is", else the last number; `$` and a final period removed."""
+    readings = ([a for a in _GSM_ANSWER.findall(text) if a.strip()], [b for b in [last_boxed(text)] if b],
+                _ANSWER_IS.findall(text), _NUMBER.findall(text))
+    for found in readings:
+        if found:
+            return found[-1].replace("$", "").strip().rstrip(".").strip()
+    return None
+
+
+def lenient_gsm8k(completion: str, answer: str) -> float:
+    """1.0 when the first number of the leniently read answer equals the reference number."""
+    try:
+        got = _NUMBER.search(lenient_answer(completion) or "")
+        want = parse_number(answer)
+        return float(got is not None and want is not None and Decimal(got.group().replace(",", "")) == want)
+    except Exception:  # like a grader, never raises
+        return 0.0
+
+
+def lenient_math(completion: str, answer: str, timeout: float = MATH_TIMEOUT) -> float:
+    """1.0 when the leniently read answer equals the reference (the same comparison as `grade_math`)."""
+    try:
+        got = lenient_answer(completion)
+        return float(bool(got) and math_equal(got, answer, timeout))
+    except Exception:  # like a grader, never raises
+        return 0.0

@@ -1,4 +1,9 @@
-"""Base models: load any causal LM (hub id or local folder), or build the tiny from-scratch model for CPU runs.
+"""Base models: load any causal LM (hub id, folder or GGUF file), or build the tiny from-scratch model for CPU runs.
+
+A `.gguf` file (or a folder holding exactly one) loads through transformers' GGUF reader, dequantised to
+float32 (the optional extra `vineppo[gguf]`: packages `gguf` and `accelerate`). Asked for plain weights,
+transformers neither keeps GGUF blocks (not trainable) nor marks the model as quantized (which makes
+`save_pretrained` refuse), so every checkpoint written from it is an ordinary safetensors folder.
 
 The tiny model is an ordinary transformers model (Llama by default; GPT-2 and Qwen2 for tests) with a
 byte-level BPE tokenizer trained on the task's text, where every digit is its own token. Both are saved
@@ -7,6 +12,7 @@ with `save_pretrained`, so every later stage loads it exactly like a hub model: 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -81,41 +87,73 @@ def _offline() -> bool:
 
 def _looks_local(name: str) -> bool:
     """True for names that can only be a local path (not an `org/model` hub id)."""
-    if name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or "\\" in name:
+    if name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or "\\" in name or name.endswith(".gguf"):
         return True
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         return True
     return "/" in name and Path(name.split("/")[0]).is_dir()  # e.g. runs/sft-arith when runs/ exists
 
 
+def _gguf_file(local: Path) -> Path | None:
+    """The GGUF file `local` names (itself, or the only .gguf in a folder without config.json), else None."""
+    if local.is_file() and local.suffix == ".gguf":
+        return local
+    if not local.is_dir() or (local / "config.json").is_file():
+        return None
+    found = sorted(local.glob("*.gguf"))
+    if len(found) > 1:
+        raise UserError(f"model folder {local} holds {len(found)} .gguf files; pass one of them as --model")
+    return found[0] if found else None
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    """(model, tokenizer) from a GGUF file, dequantised to plain float weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"loading {path} needs the package(s) {', '.join(missing)}: pip install 'vineppo[gguf]'")
+    kw = {"gguf_file": path.name, "dtype": dtype}
+    try:  # transformers >= 5 keeps GGUF blocks packed where it can, marked quantized (unsaveable, not trainable)
+        from transformers import GgufConfig
+
+        kw["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older versions always dequantise
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoModelForCausalLM.from_pretrained(path.parent, **kw), tokenizer
+
+
 def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
                verbose: bool = True):
-    """(model, tokenizer) from a local folder or hub id; pad token = eos if missing; model in eval mode on device."""
+    """(model, tokenizer) from a local folder, GGUF file or hub id; pad token = eos if missing; eval mode on device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     name = str(path_or_hub_id)
     dev = pick_device(device)
     local = Path(name).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise UserError(f"model folder {name} has no config.json (not a saved model, or an unfinished one)")
-        src, local_only = str(local), True
-    elif _looks_local(name):
-        raise UserError(f"model folder {name} not found")
-    elif _offline():
-        src, local_only = name, True  # only the local hub cache may answer
-    elif not reachable():  # checked first: unreachable, transformers retries for about a minute before failing
-        src, local_only = name, True
-    else:
-        src, local_only = name, False
     torch_dtype = parse_dtype(dtype) or torch.float32
+    gguf = _gguf_file(local)
+    hub = gguf is None and not local.is_dir()
+    if hub and _looks_local(name):
+        raise UserError(f"model {name} not found (expected a model folder, a .gguf file or a hub id)")
+    if not hub and gguf is None and not (local / "config.json").is_file():
+        raise UserError(f"model folder {name} has no config.json and no .gguf file (not a saved model, or an "
+                        f"unfinished one)")
+    # A hub id offline, or with the hub unreachable, may come from the local cache only: checked first, as
+    # transformers retries for about a minute before failing.
+    local_only = not hub or _offline() or not reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=local_only)
-        model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local_only, dtype=torch_dtype)
+        if gguf is not None:
+            model, tokenizer = _load_gguf(gguf, torch_dtype)
+        else:
+            src = name if hub else str(local)
+            tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local_only, dtype=torch_dtype)
     except (OSError, ValueError, SafetensorError) as e:
         why = str(e).strip().splitlines()[0][:200]
-        if local_only and not local.is_dir():
+        if hub and local_only:
             why = "not in the local cache and " + ("HF_HUB_OFFLINE is set" if _offline() else
                                                   "huggingface.co cannot be reached; pass a local model folder")
         elif isinstance(e, SafetensorError):
@@ -135,16 +173,6 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
 def context_length(model) -> int:
     """The longest sequence the model accepts (max_position_embeddings), or a large number if unknown."""
     return int(getattr(model.config, "max_position_embeddings", None) or 1 << 20)
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt, with the tokenizer's own special prefix (e.g. BOS) if it adds one."""
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
-
-
-def encode_target(tokenizer, text: str) -> list[int]:
-    """Token ids of a response that follows a prompt, followed by EOS (the SFT target)."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):

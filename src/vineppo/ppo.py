@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -109,12 +110,17 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, device: torch.device) -> "Critic":
-        """A critic whose body is the causal LM at `path` without its LM head."""
-        from transformers import AutoModel
+    def from_model(cls, lm: nn.Module) -> "Critic":
+        """A critic whose body is a copy of the causal LM `lm` without its LM head."""
+        body = copy.deepcopy(lm.base_model)
+        return cls(body, body.config.hidden_size).to(next(lm.parameters()).device)
 
-        body = AutoModel.from_pretrained(path).to(device)
-        return cls(body, body.config.hidden_size).to(device)
+    @classmethod
+    def from_pretrained(cls, path: str, device: torch.device) -> "Critic":
+        """A critic whose body is the causal LM at `path` (folder, .gguf file or hub id) without its LM head."""
+        from vineppo.models import load_model
+
+        return cls.from_model(load_model(path, device=str(device), verbose=False)[0])
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """V(prefix) before every response token: [B, R]."""

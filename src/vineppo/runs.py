@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from vineppo import distributed as dist
 from vineppo import lora, parallel
 from vineppo.errors import UserError
+from vineppo.prompts import save_format
 
 try:
     import fcntl
@@ -47,7 +48,7 @@ LOCK = ".lock"
 START = "start_model.json"
 # What a run writes besides config.yaml: removed when a run that stopped before its first checkpoint restarts.
 ARTIFACTS = ("metrics.jsonl", "summary.json", START, "tensorboard", "wandb", "checkpoints")
-WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 
 
 def reason(e: BaseException) -> str:
@@ -205,16 +206,17 @@ def damage(ckpt: Path) -> str | None:
 
 
 def weights_digest(model: str) -> str | None:
-    """sha256 over the weight files of a model folder (or a hub id's cached snapshot); None when not on disk."""
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
+    """sha256 over the weight files of a model folder, a .gguf file, or a hub id's cached snapshot; None when not on
+    disk."""
+    path = Path(model).expanduser()
+    if not path.exists():
         try:
             from huggingface_hub import snapshot_download  # only for hub ids
 
-            folder = Path(snapshot_download(model, local_files_only=True))
+            path = Path(snapshot_download(model, local_files_only=True))
         except Exception:  # noqa: BLE001 - not a hub id, or not in the cache: nothing on disk to hash
             return None
-    files = sorted({f for pattern in WEIGHTS for f in folder.glob(pattern)})
+    files = [path] if path.is_file() else sorted({f for pattern in WEIGHTS for f in path.glob(pattern)})
     if not files:
         return None
     h = hashlib.sha256()
@@ -273,8 +275,10 @@ class Trained:
                                                              if self.critic is not None else {})
 
 
-def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: int) -> None:
-    """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep`.
+def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: int,
+                    prompt_format: str | None = None) -> None:
+    """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep`;
+    `prompt_format` is recorded in it (vineppo.prompts), so it evaluates and trains in the format it learned.
 
     Rank 0 writes; with --fsdp every rank first gathers the whole weights to rank 0 and writes its own
     optimiser shard."""
@@ -298,6 +302,8 @@ def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: i
         parallel.unwrap(trained.policy).save_pretrained(tmp, safe_serialization=True,
                                                         **({"state_dict": weights} if sharded else {}))
         tokenizer.save_pretrained(tmp)
+        if prompt_format:
+            save_format(tmp, prompt_format)
         if not trained.fsdp:
             torch.save(trained.optimizer.state_dict(), tmp / "optimizer.pt")
         if trained.critic is not None:

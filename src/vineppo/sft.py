@@ -1,8 +1,11 @@
 """`vineppo sft`: supervised fine-tuning on a task's reference solutions (the starting point of RL).
 
-Each example is prompt + " " + solution + EOS; the loss is the mean cross-entropy over the target tokens
-only. AdamW, linear warmup then cosine decay, gradient clipping at 1.0, batches of similar length. The
-final model is written atomically (temp folder, then rename), so a killed run never leaves half a model.
+Each example is a prompt and its reference response in the chosen prompt format (vineppo.prompts: plain
+`Problem: ... Solution:` + " " + solution + EOS, or the chat template's user and assistant turns with the
+end-of-turn token, or few-shot); the loss is the mean cross-entropy over the response tokens only. The
+format is recorded in the output folder (`vineppo.json`), so `eval` and `train` reuse it. AdamW, linear
+warmup then cosine decay, gradient clipping at 1.0, batches of similar length. The final model is written
+atomically (temp folder, then rename), so a killed run never leaves half a model.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vineppo import config as configs
 from vineppo.errors import UserError
-from vineppo.models import context_length, encode_prompt, encode_target, load_model, pick_device, tiny_model
+from vineppo.models import context_length, load_model, pick_device, tiny_model
+from vineppo.prompts import HELP, Prompter, check_format, save_format
 from vineppo.runs import make_folder
 from vineppo.tasks import get_task
+from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
 TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
@@ -52,12 +58,12 @@ def ensure_sft_model(task: str, out: str | Path | None = None, **hyperparams) ->
     return run_sft(task, out=out, **hyperparams)
 
 
-def tokenize_examples(tokenizer, task, examples, max_len: int) -> list[tuple[list[int], int]]:
+def tokenize_examples(prompter: Prompter, examples, max_len: int) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) per example; examples longer than max_len are dropped."""
     data = []
     for ex in examples:
-        p = encode_prompt(tokenizer, task.prompt(ex))
-        ids = p + encode_target(tokenizer, task.target(ex))
+        p = prompter.prompt(ex)
+        ids = p + prompter.target(ex)
         if len(ids) <= max_len:
             data.append((ids, len(p)))
     return data
@@ -100,10 +106,25 @@ def lr_at(step: int, total: int, warmup: int) -> float:
 
 def temp_dir(out: Path) -> Path:
     """A fresh temp folder next to `out`, where a run writes until it is complete."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed run (SIGKILL cannot be caught)
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     make_folder(tmp, f"--out {out}")
     return tmp
+
+
+def _alive(pid: int) -> bool:
+    """True when process `pid` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 def save_atomic(model, tokenizer, tmp: Path, out: Path) -> None:
@@ -121,14 +142,16 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
             epochs: float | None = None, lr: float | None = None, batch_size: int | None = None,
             max_steps: int | None = None, warmup: float | None = None, seed: int = 0, device: str | None = None,
             bf16: bool | None = None, arch: str = "llama", hidden: int | None = None, layers: int | None = None,
-            grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True) -> Path:
+            grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True,
+            prompt_format: str | None = None) -> Path:
     """Fine-tune `model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
     configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
                              hidden=hidden, layers=layers), RULES)
     task = get_task(task_name)
     out = Path(out) if out is not None else default_sft_dir(task_name)
     dev = pick_device(device)
-    examples = task.load("train", data, seed)  # read first: a bad file fails before a model loads
+    check_format(prompt_format or "auto")  # a bad flag or file fails before a model loads
+    examples = task.load("train", data, seed)
     if not examples:
         raise UserError(f"task {task_name!r}: the training set is empty")
     torch.manual_seed(seed)
@@ -143,7 +166,8 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
           dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if bf16 is None else bf16
 
-    items = tokenize_examples(tokenizer, task, examples, context_length(net))
+    prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
+    items = tokenize_examples(prompter, examples, context_length(net))
     if not items:
         raise UserError(f"task {task_name!r}: every training example is longer than the model's context")
     if len(items) < len(examples):  # never a silent skip: say how many did not fit
@@ -167,13 +191,15 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm))
 
     config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
-                  device=str(dev), bf16=use_bf16, arch=arch if model == "tiny" else None, **hp)
+                  device=str(dev), bf16=use_bf16, arch=arch if model == "tiny" else None,
+                  prompt_format=prompter.format, **hp)
     t0 = time.time()
     tmp = temp_dir(out)
     try:
         _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, log_every, progress, tmp, opt, sched)
         config["time_s"] = round(time.time() - t0, 1)
         (tmp / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_format(tmp, prompter.format)
         save_atomic(net, tokenizer, tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -186,6 +212,8 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
     batches: list[list[int]] = []
     t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
     bar = _progress(progress)
+    lines = progress and not console.is_terminal  # rich draws nothing into a file or pipe: print lines there instead
+    line_every = max(1, total // 20)
     with bar, open(tmp / "metrics.jsonl", "w") as log:
         job = bar.add_task("sft", total=total, loss=float("nan"), tps=0.0)
         for step in range(total):
@@ -200,7 +228,8 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
             sched.step()
             opt.zero_grad(set_to_none=True)
             tokens += int(batch["attention_mask"].sum())
-            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            step_loss = loss.item()
+            loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
             if (step + 1) % log_every == 0 or step + 1 == total:
                 elapsed = time.time() - t0
                 row = dict(step=step + 1, loss=round(loss_sum / loss_n, 5), lr=sched.get_last_lr()[0],
@@ -209,13 +238,21 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
                 log.flush()
                 bar.update(job, loss=row["loss"], tps=row["tokens_per_s"])
                 loss_sum, loss_n = 0.0, 0
+            if lines and ((step + 1) % line_every == 0 or step + 1 == total):
+                _print_line(step + 1, total, step_loss, tokens, time.time() - t0)
             bar.update(job, advance=1)
     net.eval()
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _print_line(step: int, total: int, loss: float, tokens: int, elapsed: float) -> None:
+    """One plain progress line (5% of the steps apart) for output that is not a terminal."""
+    left = elapsed * (total - step) / step
+    print(f"sft: step {step}/{total} ({100 * step // total}%)  loss {loss:.4f}  {tokens / elapsed:,.0f} tok/s  "
+          f"{elapsed:.0f}s elapsed, ~{left:.0f}s left", file=sys.stderr, flush=True)
 
+
+def _progress(enabled: bool) -> Progress:
+    """The terminal progress bar of the SFT loop."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:.0f} tok/s"),
                     TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled)
@@ -229,7 +266,9 @@ def _defaults(key: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo sft`."""
     p.add_argument("--task", default="arith", help="task name (default: arith)")
-    p.add_argument("--model", default="tiny", help="hub id, local folder, or 'tiny' to build the small CPU model")
+    p.add_argument("--model", default="tiny",
+                   help="hub id, local folder, .gguf file, or 'tiny' to build the small CPU model")
+    p.add_argument("--prompt-format", default=None, help=HELP)
     p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
@@ -252,6 +291,6 @@ def run(args: argparse.Namespace) -> int:
     out = run_sft(args.task, model=args.model, out=args.out, data=args.data, epochs=args.epochs, lr=args.lr,
                   batch_size=args.batch_size, max_steps=args.max_steps, warmup=args.warmup, seed=args.seed,
                   device=args.device, bf16=args.bf16, arch=args.arch, hidden=args.hidden, layers=args.layers,
-                  grad_checkpointing=args.grad_checkpointing)
+                  grad_checkpointing=args.grad_checkpointing, prompt_format=args.prompt_format)
     print(f"saved SFT model to {out}")
     return 0

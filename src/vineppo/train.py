@@ -8,6 +8,7 @@ Read `train` top to bottom.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import random
@@ -31,6 +32,7 @@ from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length
 from vineppo.ppo import Critic
+from vineppo.prompts import Prompter
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
@@ -66,11 +68,12 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
     if main and resume:
         runs.check_start_model(out, model_dir)
-    from vineppo.models import encode_prompt, load_model
+    from vineppo.models import load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), dtype=policy_dtype(cfg), verbose=main)
-    _check_lengths(cfg, task, tokenizer, policy, train_set, test_set, val_set)
-    models = build_models(cfg, policy, model_dir, device)
+    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
+    _check_lengths(cfg, prompter, policy, train_set, test_set, val_set)
+    models = build_models(cfg, policy, device)
     trained, policy, critic = models.trained, models.trained.policy, models.trained.critic
     sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]  # sft: DPO+'s offline samples
     engine = Engine(sampler, tokenizer, token_budget=cfg.token_budget)
@@ -106,7 +109,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
                 result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples,
                                   temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                   max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                                  token_budget=cfg.token_budget)
+                                  token_budget=cfg.token_budget, prompter=prompter)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
         return scores
@@ -121,7 +124,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         scores = evaluate_now(0)
         state["sft_test_pass@1"] = scores.get("test/pass@1")
         _record(state, 0, scores)
-        tracker.log(0, scores)
+        with _disk_errors(out):
+            tracker.log(0, scores)
         clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
     ctx = Context(cfg, models.trainee, models.reference, trained.optimizer, tokenizer, engine, params, task.grade,
                   models.critic_trainee, trained.critic_opt, status=lambda text: bar.update(job, status=text),
@@ -140,7 +144,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         bar.update(job, status="sampling")
         picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
-        prompt_ids = [encode_prompt(tokenizer, task.prompt(ex)) for _, ex in mine]
+        prompt_ids = prompter.encode([ex for _, ex in mine])
         with sampling(sampler):
             outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
 
@@ -185,10 +189,11 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         state["iteration"] = done
         state["wall_clock_s"] = time.perf_counter() - clock
         metrics["time/wall_clock_s"] = state["wall_clock_s"]
-        tracker.log(done, metrics)
+        with _disk_errors(out):
+            tracker.log(done, metrics)
         if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
-            runs.save_checkpoint(out, trained, tokenizer, state, cfg.keep_checkpoints)
+            runs.save_checkpoint(out, trained, tokenizer, state, cfg.keep_checkpoints, prompt_format=prompter.format)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                             if "test/pass@1" in metrics else "")
         bar.update(job, advance=1, status=status)
@@ -223,11 +228,11 @@ def policy_dtype(cfg: TrainConfig) -> str | None:
     return cfg.dtype if cfg.lora_r and cfg.dtype != "float32" else None
 
 
-def build_models(cfg: TrainConfig, policy: torch.nn.Module, model_dir: str, device: torch.device) -> Models:
+def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device) -> Models:
     """Reference, critic, LoRA adapters, sharding or replication, and optimisers around the loaded `policy`."""
-    from vineppo.models import disable_dropout, load_model
+    from vineppo.models import disable_dropout
 
-    critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
+    critic = Critic.from_model(policy).float() if cfg.estimator == "gae" else None  # a copy; trained in float32
     for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
         if net is not None:
             disable_dropout(net)
@@ -235,9 +240,9 @@ def build_models(cfg: TrainConfig, policy: torch.nn.Module, model_dir: str, devi
         torch.manual_seed(cfg.seed)  # the adapters' initialisation
         policy = lora.add_adapters(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)
         reference = lora.AdaptersOff(policy)
-    else:  # frozen weights are held in bf16 under --dtype bfloat16
-        reference, _ = load_model(model_dir, device=str(device), dtype=cfg.dtype, verbose=False)
-        reference = parallel.wrap(reference.requires_grad_(False), device, cfg.fsdp)
+    else:  # a copy, not a second load; frozen weights are held in bf16 under --dtype bfloat16
+        reference = copy.deepcopy(policy).requires_grad_(False).to(parallel.DTYPES[cfg.dtype] or policy.dtype)
+        reference = parallel.wrap(reference, device, cfg.fsdp)
     trainee = parallel.wrap(policy, device, cfg.fsdp, cfg.gradient_checkpointing)  # shards `policy` in place
     critic_trainee = parallel.wrap(critic, device, cfg.fsdp, cfg.gradient_checkpointing) if critic else None
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
@@ -325,14 +330,14 @@ def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Exampl
     return train_set, test_set[: cfg.eval_problems], val_set
 
 
-def _check_lengths(cfg: TrainConfig, task: Task, tokenizer, model, train_set: list[Example],
+def _check_lengths(cfg: TrainConfig, prompter: Prompter, model, train_set: list[Example],
                    test_set: list[Example], val_set: list[Example]) -> None:
     """Refuse, before any work, a prompt that with --max-new-tokens does not fit the model's context or one engine row."""
     ctx = context_length(model)
     for split, examples in (("training", train_set), (cfg.eval_split, test_set), ("validation", val_set)):
         if not examples:
             continue
-        lengths = [len(ids) for ids in tokenizer([task.prompt(ex) for ex in examples])["input_ids"]]
+        lengths = [len(ids) for ids in prompter.encode(examples)]
         n = max(lengths)
         ex = examples[lengths.index(n)]
         where = f"{split} problem {ex.id!r}: its prompt is {n} tokens"
@@ -355,8 +360,11 @@ def _disk_errors(out: Path):
         kept = runs.latest(out)
         raise UserError(f"{e}; nothing was lost: " + (f"the checkpoints in {kept.parent} are intact" if kept else
                                                        "no training had been done yet")) from None
-    except OSError as e:
-        raise UserError(f"cannot write in {out}: {runs.reason(e)}") from None
+    except OSError as e:  # metrics, config or record: the work since the last checkpoint is what a resume redoes
+        kept = runs.latest(out)
+        raise UserError(f"cannot write in {out}: {runs.reason(e)}; " + (
+            f"the checkpoints in {kept.parent} are intact: --resume {out} continues from {kept.name}" if kept else
+            "no checkpoint had been saved yet")) from None
 
 
 def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:

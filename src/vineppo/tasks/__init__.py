@@ -1,4 +1,4 @@
-"""Tasks: a loader, a prompt format, a grader and a step splitter, looked up by name.
+"""Tasks: a loader, a prompt, a grader and a step splitter, looked up by name (prompt formats: vineppo.prompts).
 
 Adding a task is one new module that calls `register(Task(...))`, imported at the bottom of this file.
 """
@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vineppo.errors import UserError
+from vineppo.grading import lenient_gsm8k
 
 DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
+# Chat prompts open with the task's instruction, which names the answer format its grader reads.
+HASH_ANSWER = "Solve the problem step by step. Write the final answer on the last line in the form '#### <number>'."
+BOXED_ANSWER = "Solve the problem step by step. Put the final answer in \\boxed{}."
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,12 @@ class Task:
     # split_steps(response) -> steps whose concatenation is exactly the response.
     split_steps: Callable[[str], list[str]]
     prompt_template: str = DEFAULT_PROMPT
+    instruction: str = HASH_ANSWER  # the chat prompt's instruction: how to solve and how to write the answer
     splits: tuple[str, ...] = ("train", "validation", "test")
     # Text that ends a response besides the tokenizer's EOS (a model that starts a new problem).
     stop: tuple[str, ...] = ("\n\nProblem:",)
+    # lenient(completion, reference_answer) -> 1.0 or 0.0: `vineppo eval`'s lenient score, never the reward.
+    lenient: Callable[[str, str], float] = lenient_gsm8k
     # Extra keyword knobs the loader accepts (documented per task).
     options: dict = field(default_factory=dict)
     # extract(completion) -> the answer the grader would compare, or None when it finds none (strict

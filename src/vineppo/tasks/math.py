@@ -11,9 +11,9 @@ are carved from it. When a record has no `answer`, the answer is the solution's 
 from __future__ import annotations
 
 from vineppo.errors import UserError
-from vineppo.grading import extract_math, grade_math, last_boxed
+from vineppo.grading import extract_math, grade_math, last_boxed, lenient_math
 from vineppo.steps import split_math
-from vineppo.tasks import Example, Task, register
+from vineppo.tasks import BOXED_ANSWER, Example, Task, register
 from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
 
 HUB_TEST = ("HuggingFaceH4/MATH-500", None, "test")
@@ -53,4 +53,4 @@ def load_math(split: str, path: str | None = None, seed: int = 0) -> list[Exampl
 
 
 register(Task(name="math", load=load_math, grade=grade_math, split_steps=split_math, splits=SPLITS,
-              extract=extract_math))
+              instruction=BOXED_ANSWER, extract=extract_math, lenient=lenient_math))

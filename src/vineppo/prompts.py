@@ -1,0 +1,105 @@
+"""Prompt formats: how a problem becomes the model's input, and its reference solution the SFT target.
+
+- `plain`: `Problem:\\n<problem>\\n\\nSolution:`; target ` <solution>` + EOS (the tiny model's format).
+- `chat`: the tokenizer's chat template with one user turn (the task's instruction, which names its answer
+  format, then the problem) and the generation prompt. The target is the assistant turn as the template
+  writes it, up to and including its end-of-turn token. Encoded without adding special tokens: the
+  template writes its own BOS, so there is never a second one.
+- `fewshot:N`: N solved train problems in the plain format (solution, blank line), then the problem in the
+  plain format. The task's stop string `\\n\\nProblem:` ends a response that goes on to a new problem.
+- `auto`: the format recorded in the model folder (`vineppo.json`, written by `vineppo sft` and by training
+  checkpoints), else `chat` when the tokenizer has a chat template, else `plain`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from vineppo.errors import UserError
+from vineppo.tasks import Example, Task
+
+SAVED = "vineppo.json"  # in a model folder: {"prompt_format": ...}
+HELP = "plain, chat, fewshot:N or auto (default: the model folder's recorded format, else chat if the " \
+       "tokenizer has a chat template, else plain)"
+
+
+FORMAT = re.compile(r"auto|plain|chat|fewshot:[1-9]\d*")  # a format's name (config.RULES checks it too)
+
+
+def check_format(spec: str) -> str:
+    """`spec` if it names a format, else a UserError naming --prompt-format."""
+    if FORMAT.fullmatch(spec):
+        return spec
+    raise UserError(f"--prompt-format {spec!r}: use plain, chat, fewshot:N (N >= 1) or auto")
+
+
+def saved_format(model: str | Path | None) -> str | None:
+    """The prompt format recorded in a model folder, or None."""
+    path = Path(str(model)) / SAVED if model is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return check_format(json.loads(path.read_text())["prompt_format"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: expected {{\"prompt_format\": \"plain|chat|fewshot:N\"}}") from None
+
+
+def save_format(folder: str | Path, fmt: str) -> None:
+    """Record the prompt format a model was trained with in its folder."""
+    (Path(folder) / SAVED).write_text(json.dumps({"prompt_format": fmt}) + "\n")
+
+
+class Prompter:
+    """Token ids of prompts (and SFT targets) for one task, tokenizer and prompt format."""
+
+    def __init__(self, task: Task, tokenizer, spec: str | None = "auto", model: str | Path | None = None,
+                 data: str | None = None, seed: int = 0):
+        self.task, self.tokenizer = task, tokenizer
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        fmt = check_format(spec or "auto")
+        if fmt == "auto":
+            fmt = saved_format(model) or ("chat" if has_template else "plain")
+        if fmt == "chat" and not has_template:
+            raise UserError(f"--prompt-format chat: the tokenizer of {model or 'this model'} has no chat template; "
+                            f"use plain or fewshot:N")
+        self.format = fmt
+        self.n_shots = int(fmt.split(":")[1]) if fmt.startswith("fewshot:") else 0
+        # the first train problems, one spare for when the problem itself is one of them
+        self.shots: list[Example] = task.load("train", data, seed)[: self.n_shots + 1] if self.n_shots else []
+        if len(self.shots) < self.n_shots:
+            raise UserError(f"--prompt-format {fmt}: task {task.name!r} has only {len(self.shots)} train problems")
+
+    def text(self, ex: Example) -> str:
+        """The prompt as text."""
+        if self.format == "chat":
+            return self._chat(ex)
+        shots = [s for s in self.shots if s.problem != ex.problem][: self.n_shots]
+        return "".join(self.task.prompt(s) + self.task.target(s) + "\n\n" for s in shots) + self.task.prompt(ex)
+
+    def prompt(self, ex: Example) -> list[int]:
+        """Token ids of the prompt (with the tokenizer's own prefix, e.g. BOS, outside chat)."""
+        return self.tokenizer(self.text(ex), add_special_tokens=self.format != "chat")["input_ids"]
+
+    def encode(self, examples: list[Example]) -> list[list[int]]:
+        """Token ids of the prompts of `examples`, tokenized as one batch (fast for a whole training set)."""
+        return self.tokenizer([self.text(ex) for ex in examples], add_special_tokens=self.format != "chat")["input_ids"]
+
+    def target(self, ex: Example) -> list[int]:
+        """Token ids of the reference response, ending with the end-of-turn (or EOS) token: the SFT target."""
+        tok = self.tokenizer
+        if self.format != "chat":
+            return tok(self.task.target(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        prompt, full = self._chat(ex), self._chat(ex, ex.solution)
+        if not full.startswith(prompt):
+            raise UserError("--prompt-format chat: this chat template does not write the assistant turn after its "
+                            "generation prompt; use plain or fewshot:N")
+        ids = tok(full[len(prompt):].rstrip(), add_special_tokens=False)["input_ids"]
+        return ids if ids and ids[-1] in tok.all_special_ids else ids + [tok.eos_token_id]
+
+    def _chat(self, ex: Example, solution: str | None = None) -> str:
+        turns = [{"role": "user", "content": f"{self.task.instruction}\n\n{ex.problem}"}]
+        if solution is not None:
+            turns.append({"role": "assistant", "content": solution})
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=solution is None)
