@@ -1,0 +1,159 @@
+"""Benchmark of the PPO update against its limit, and of a GRPO iteration against TRL's GRPOTrainer.
+
+    python benchmarks/update.py --model DIR [--json] [--threads N] [--repeats 3] [--trl-script PATH]
+
+Workload: one GRPO iteration of the `arith-tiny` preset on the model (an SFT model of `arith`): 16 prompts x
+8 responses sampled by the engine (T 0.6, top-p 0.9, at most 160 new tokens), GRPO advantages, then the
+update: 2 epochs of minibatch 64 in micro-batches of 32, k3 KL 1e-4 to the reference, AdamW lr 3e-5.
+
+Reports (medians over --repeats, each repeat on the same sampled responses)
+- update: completion tokens x epochs / seconds of the update (credit + old/reference log-probs + the
+  epochs' forward, backward and optimiser steps);
+- limit: bare forward + backward passes of the same model over the same micro-batches (same packing,
+  same lengths), loss = sum of the scored tokens' log-probs, no optimiser; tokens counted the same way;
+- fraction_of_limit = update / limit;
+- iteration: completion tokens / (sampling + update) seconds, the figure TRL's script prints;
+- trl: when `trl` is importable (or --trl-python names a venv's python that has it), the peer script
+  `trl_grpo.py` of ../shared/peers is run on the same model and its completion tokens/s reported beside
+  ours (trl_over_vineppo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vineppo import algorithms, config as configs
+from vineppo.engine import Engine, SamplingParams
+from vineppo.models import disable_dropout, load_model, seeded_generator
+from vineppo.ppo import pack, token_logprobs
+from vineppo.prompts import Prompter
+from vineppo.tasks import get_task
+from vineppo.train import _episode
+
+PRESET = dict(algo="grpo", estimator="grpo", prompts_per_iter=16, samples_per_prompt=8, temperature=0.6,
+              top_p=0.9, max_new_tokens=160, epochs=2, minibatch=64, micro_batch=32, lr=3e-5, kl_coef=1e-4)
+PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trl_grpo.py"
+
+
+def setup(model_dir: str, seed: int = 0):
+    """The model, its frozen reference, the optimiser, the prompter and the engine, as `vineppo train` builds them."""
+    cfg = dataclasses.replace(configs.TrainConfig(), model=model_dir, seed=seed, **PRESET)
+    task = get_task("arith")
+    policy, tok = load_model(model_dir, device="cpu", verbose=False)
+    disable_dropout(policy)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    prompter = Prompter(task, tok, cfg.prompt_format, model=model_dir)
+    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
+    ctx = algorithms.Context(cfg, policy, reference, opt, tok, Engine(policy, tok, cfg.token_budget), params,
+                             task.grade)
+    return cfg, task, prompter, ctx
+
+
+def sample(cfg, task, prompter, ctx, seed: int) -> tuple[list, float]:
+    """One iteration's episodes (16 prompts x 8) and the seconds sampling took."""
+    train = task.load("train", None, 0)
+    examples = train[seed * cfg.prompts_per_iter:(seed + 1) * cfg.prompts_per_iter]
+    ids = prompter.encode(examples)
+    t0 = time.perf_counter()
+    outputs = ctx.engine.generate(ids, cfg.samples_per_prompt, ctx.params, seeded_generator(ctx.policy, seed))
+    took = time.perf_counter() - t0
+    episodes = [_episode(task, ctx.tokenizer, p, s, g, ex)
+                for g, (ex, p, samples) in enumerate(zip(examples, ids, outputs)) for s in samples]
+    return episodes, took
+
+
+def time_update(episodes, ctx) -> float:
+    """Seconds of the registered GRPO update on `episodes`."""
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    algorithms.ppo_family(episodes, dataclasses.replace(ctx, generator=gen, order_generator=gen))
+    return time.perf_counter() - t0
+
+
+def time_limit(episodes, ctx) -> float:
+    """Seconds of bare forward+backward passes over the update's micro-batches (epochs x minibatches)."""
+    cfg, policy = ctx.cfg, ctx.policy
+    order = list(range(len(episodes)))
+    policy.train()
+    t0 = time.perf_counter()
+    for _ in range(cfg.epochs):
+        for start in range(0, len(order), cfg.micro_batch):
+            idx = order[start:start + cfg.micro_batch]
+            b = pack([episodes[i].prompt_ids for i in idx], [episodes[i].response_ids for i in idx],
+                     ctx.tokenizer.pad_token_id)
+            logp, _ = token_logprobs(policy, b, cfg.temperature)
+            (logp * b.mask).sum().backward()
+    took = time.perf_counter() - t0
+    policy.zero_grad(set_to_none=True)
+    policy.eval()
+    return took
+
+
+def run_trl(model_dir: str, python: str, script: Path, threads: int) -> float | None:
+    """TRL GRPOTrainer's completion tokens/s from the peer script (None when it cannot run)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PEER_DIR=str(Path(model_dir).resolve().parent / "peer-work"))
+    done = subprocess.run([python, str(script), model_dir], capture_output=True, text=True, env=env)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        print(f"trl peer failed (rc {done.returncode}): {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    row = json.loads(lines[-1])
+    return float(row["tokens_per_s"])
+
+
+def main() -> None:
+    """Parse flags, run the workload, print the table (or one JSON line)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="an SFT model folder of arith (vineppo sft)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--trl-python", default=None, help="python of a venv with trl==1.16.0 (default: this one if trl "
+                                                       "is importable)")
+    p.add_argument("--trl-script", default=str(PEER), help="the peer script trl_grpo.py")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    cfg, task, prompter, ctx = setup(args.model)
+    episodes, _ = sample(cfg, task, prompter, ctx, seed=99)  # warm-up of the engine and the update
+    time_update(episodes, ctx)
+    rows = []
+    for r in range(args.repeats):
+        episodes, sampling = sample(cfg, task, prompter, ctx, seed=r)
+        tokens = sum(len(ep.response_ids) for ep in episodes)
+        update, limit = time_update(episodes, ctx), time_limit(episodes, ctx)
+        rows.append(dict(tokens=tokens, sampling_s=sampling, update_s=update, limit_s=limit))
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out = dict(model=args.model, threads=threads, repeats=args.repeats, completion_tokens=med["tokens"],
+               update_tokens_per_s=med["tokens"] * cfg.epochs / med["update_s"],
+               limit_tokens_per_s=med["tokens"] * cfg.epochs / med["limit_s"],
+               iteration_tokens_per_s=statistics.median(r["tokens"] / (r["sampling_s"] + r["update_s"]) for r in rows),
+               sampling_s=med["sampling_s"], update_s=med["update_s"])
+    out["fraction_of_limit"] = out["update_tokens_per_s"] / out["limit_tokens_per_s"]
+    trl_python = args.trl_python or (sys.executable if importlib.util.find_spec("trl") else None)
+    if trl_python and Path(args.trl_script).exists():
+        trl = run_trl(args.model, trl_python, Path(args.trl_script), threads)
+        if trl:
+            out.update(trl_tokens_per_s=trl, vineppo_over_trl=out["iteration_tokens_per_s"] / trl)
+    if args.json:
+        print(json.dumps(out))
+        return
+    for k, v in out.items():
+        print(f"{k:>24}: {v:,.3f}" if isinstance(v, float) else f"{k:>24}: {v}")
+
+
+if __name__ == "__main__":
+    main()
