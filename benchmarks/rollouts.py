@@ -191,7 +191,7 @@ def run_limit(model, rows, ctx_len, steps=30, buffered=True, repeats=3):
 def _limit_once(model, rows, ctx_len, steps, buffered):
     from transformers import DynamicCache
 
-    from vineppo.engine import _new_cache
+    from vineppo.engine.batch import new_cache
 
     sig = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     V = model.get_output_embeddings().weight.shape[0]
@@ -202,7 +202,7 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
         cache = DynamicCache()
         model(input_ids=torch.randint(2, V, (rows, start), device=dev), use_cache=True, **{sig: cache})
         if buffered:
-            cache = _new_cache([(layer.keys, layer.values) for layer in cache.layers], steps + 8)
+            cache = new_cache([(layer.keys, layer.values) for layer in cache.layers], steps + 8)
         nxt = torch.randint(2, V, (rows, 1), device=dev)
         for _ in range(warm):
             nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
