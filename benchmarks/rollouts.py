@@ -1,12 +1,18 @@
 """Benchmark of the rollout engine on the Monte Carlo workload of one VinePPO iteration (small scale).
 
-    python benchmarks/rollouts.py [--json] [--model DIR] [--naive-fraction 0.2] [--threads N] [--repeats 3]
+    python benchmarks/rollouts.py [--json] [--model DIR] [--engine native|vllm] [--naive-fraction 0.2] [--threads N]
+                                  [--repeats 3]
 
 Workload: 64 prompts, one response each (T=0.6, top-p 0.9), every step boundary of every response
 (the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
 
 Reports
 - native: the engine's throughput (generated tokens/s) on the whole continuation workload (median of --repeats);
+  with ``--engine vllm`` the same fields hold the vLLM backend's (``engine`` says which), on the same workload
+  (the responses are sampled by the native engine in both cases, so both continue the same prefixes). vLLM is
+  built once, warmed up with one short request, and its prefix cache is emptied before every timed run, as the
+  native engine starts every job from nothing; its decode batch is not observable, so ``mean_decode_rows`` is
+  null and the limit runs at vLLM's ``max_num_seqs`` rows (or all continuations, if fewer);
 - naive: Hugging Face ``model.generate(do_sample=True, num_return_sequences=K)`` over left-padded batches
   of prefixes, every prefix re-encoded (a fraction of the prefixes, for time; tokens up to EOS count);
 - limit: bare batched decode steps of the same model at the engine's mean batch size, attending on average to
@@ -30,11 +36,12 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 
-from vineppo.engine import Engine, SamplingParams
+from vineppo.engine import ENGINES, Engine, SamplingParams, make_engine
 from vineppo.models import seeded_generator
 
 K = 9
@@ -134,6 +141,28 @@ class _NullTok:
         return ["" for _ in ids]
 
 
+def run_vllm(eng, seqs, bounds, params, seed=0):
+    """The vLLM backend on the workload, from an empty prefix cache (the engine is built once, outside)."""
+    eng.llm.reset_prefix_cache()
+    g = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    out = eng.continuations(seqs, bounds, K, params, generator=g)
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
+    n_cont = sum(len(x) for r in out for x in r)
+    rows = min(n_cont, eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+    return n_tok / dt, dict(seconds=dt, tokens=n_tok, continuations=n_cont, decode_steps=None, mean_rows=None,
+                            limit_rows=rows, max_rows=None)
+
+
+def start_vllm(model, tok, folder, seqs, params):
+    """The vLLM backend on ``folder`` (a random model is saved to a temporary one), warmed up by one short request."""
+    eng = make_engine("vllm", model, tok, model_dir=folder)
+    eng.generate([seqs[0][:8]], 1, SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                                  max_new_tokens=4))
+    return eng
+
+
 def run_native(model, tok, seqs, bounds, params, seed=0):
     eng = Engine(model, tok or _NullTok())
     rows = []
@@ -149,8 +178,9 @@ def run_native(model, tok, seqs, bounds, params, seed=0):
         hook.remove()
     n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
     n_cont = sum(len(x) for r in out for x in r)
+    mean_rows = sum(rows) / max(1, len(rows))
     return n_tok / dt, dict(seconds=dt, tokens=n_tok, continuations=n_cont, decode_steps=len(rows),
-                            mean_rows=sum(rows) / max(1, len(rows)), max_rows=max(rows, default=0))
+                            mean_rows=mean_rows, limit_rows=int(round(mean_rows)), max_rows=max(rows, default=0))
 
 
 def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_id, seed=0):
@@ -217,6 +247,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", help="a saved Hugging Face model folder (default: tiny random Llama)")
+    ap.add_argument("--engine", choices=ENGINES, default="native", help="the rollout backend measured (default native)")
     ap.add_argument("--naive-fraction", type=float, default=0.2, help="share of prefixes the naive baseline runs")
     ap.add_argument("--naive-batch", type=int, default=32, help="prefixes per naive generate() call (x K rows)")
     ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
@@ -232,13 +263,22 @@ def main(argv=None):
         model, tok, seqs, bounds, params, note = random_setup()
         eos_id = None
     n_bounds = sum(map(len, bounds))
+    scratch = tempfile.TemporaryDirectory()  # vLLM loads a model from a folder: the random one is saved there
+    if args.engine == "vllm":
+        folder = args.model or scratch.name
+        if not args.model:
+            model.save_pretrained(folder)
+        eng = start_vllm(model, tok, folder, seqs, params)
     # engine and limit alternate, so both see the same (shared, noisy) machine; medians are reported
     natives, limits = [], []
     for rep in range(args.repeats):
-        native, ninfo = run_native(model, tok, seqs, bounds, params)
+        if args.engine == "vllm":
+            native, ninfo = run_vllm(eng, seqs, bounds, params)
+        else:
+            native, ninfo = run_native(model, tok, seqs, bounds, params)
         natives.append(native)
         if rep == 0:
-            rows = int(round(ninfo["mean_rows"]))
+            rows = ninfo["limit_rows"]
             mean_prefix = sum(b for bs in bounds for b in bs) / n_bounds
             mean_cont = ninfo["tokens"] / max(1, ninfo["continuations"])
             ctx = int(mean_prefix + mean_cont / 2)
@@ -256,6 +296,7 @@ def main(argv=None):
         "limit_runs_tokens_per_s": limits,
         "limit_hf_dynamic_cache_tokens_per_s": limit_hf,
         "model": args.model or "random-llama-h256-l4",
+        "engine": args.engine,
         "threads": threads,
         "boundaries": n_bounds,
         "continuations": ninfo["continuations"],
@@ -277,8 +318,10 @@ def main(argv=None):
     print(f"workload: {len(seqs)} responses, {n_bounds} boundaries, K={K} -> {ninfo['continuations']} continuations, "
           f"{ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
           f"max_new_tokens={params.max_new_tokens})")
-    print(f"native engine : {native:9.0f} tokens/s  (median of {args.repeats}; {ninfo['seconds']:.1f} s, "
-          f"{ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows)")
+    batches = "" if ninfo["mean_rows"] is None else \
+        f", {ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows"
+    print(f"{args.engine + ' engine':<14}: {native:9.0f} tokens/s  (median of {args.repeats}; {ninfo['seconds']:.1f} s"
+          f"{batches})")
     print(f"naive HF      : {naive:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, {vinfo['seconds']:.1f} s)")
     print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens, in-place KV buffer; median of "
           f"{args.repeats})")

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import yaml
 
+from vineppo.engine.api import ENGINES
 from vineppo.errors import UserError
 
 PRESETS = Path(__file__).parent / "configs"
@@ -75,7 +76,8 @@ class TrainConfig:
     eval_temperature: float = 0.35  # evaluation sampling temperature
     save_every: int = 10  # iterations between checkpoints (always one at the end)
     keep_checkpoints: int = 2  # checkpoints kept on disk
-    token_budget: int = 65536  # engine: max rows x tokens in one decode batch
+    token_budget: int = 65536  # engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds)
+    engine: str = "native"  # rollout backend: native | vllm (vLLM, its own copy of the weights; extra vineppo[vllm])
     tensorboard: bool = True  # write TensorBoard event files
     wandb: str | None = None  # Weights & Biases project name (None: off)
     preset: str | None = None  # the preset or YAML file the settings came from (recorded; set by --config)
@@ -92,6 +94,7 @@ TOP_P: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 RULES: dict[str, Rule] = {
     "algo": (lambda v: v in ALGOS, f"must be one of {', '.join(ALGOS)}"),
+    "engine": (lambda v: v in ENGINES, f"must be one of {', '.join(ENGINES)}"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "must be auto, cpu, cuda or cuda:N"),
     "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1,
     "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),

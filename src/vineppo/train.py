@@ -21,7 +21,7 @@ from vineppo import distributed as dist
 from vineppo import runs
 from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator
-from vineppo.engine import Engine, SamplingParams
+from vineppo.engine import SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length
@@ -37,6 +37,7 @@ NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcom
 def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     """Run (or resume) RL training as configured; returns the run summary."""
     cfg = configs.validate(cfg)  # callers of this function may build a TrainConfig by hand
+    check_engine(cfg.engine)  # a missing vLLM fails before anything loads
     device = dist.init(cfg.device)
     out = Path(resume) if resume else _run_dir(cfg)
     with runs.locked(out, create=not resume, enabled=dist.is_main()):  # one run per folder, for its whole life
@@ -73,7 +74,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             disable_dropout(net)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
-    engine = Engine(policy, tokenizer, token_budget=cfg.token_budget)
+    engine = make_engine(cfg.engine, policy, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
                               cfg.grad_clip, cfg.value_clip)
@@ -97,7 +98,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         mine = test_set[dist.rank()::dist.world()]
         result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
                           top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                          token_budget=cfg.token_budget)
+                          engine=engine)
         total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
         return total / max(n, 1)
 
@@ -162,6 +163,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
 
         # 4. PPO update (the same code for every algorithm).
         bar.update(job, status="updating")
+        engine.sleep()  # vLLM on GPU frees its KV cache for the update
         policy.train()
         try:
             stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
@@ -173,6 +175,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                             f"checkpoint: {runs.latest(out) or 'none yet'}") from None
         policy.eval()
+        engine.push_weights(policy)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
         stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
         tok = max(stats["tokens"], 1.0)
         metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,

@@ -9,8 +9,9 @@ The native backend, one job per file: ``plan.py`` (units of work), ``schedule.py
 benchmark call only the interface.
 """
 
-from vineppo.engine.api import ENGINES, RolloutEngine, Sample, SamplingParams, eos_token_ids, make_engine
+from vineppo.engine.api import ENGINES, RolloutEngine, Sample, SamplingParams, check_engine, eos_token_ids, make_engine
 from vineppo.engine.native import Engine
 from vineppo.engine.sampling import TOP_K
 
-__all__ = ["ENGINES", "Engine", "RolloutEngine", "Sample", "SamplingParams", "TOP_K", "eos_token_ids", "make_engine"]
+__all__ = ["ENGINES", "Engine", "RolloutEngine", "Sample", "SamplingParams", "TOP_K", "check_engine", "eos_token_ids",
+           "make_engine"]
