@@ -8,11 +8,10 @@ Workload: 64 prompts, one response each (T=0.6, top-p 0.9), every step boundary 
 
 Reports
 - native: the engine's throughput (generated tokens/s) on the whole continuation workload (median of --repeats);
-  with ``--engine vllm`` the same fields hold the vLLM backend's (``engine`` says which), on the same workload
-  (the responses are sampled by the native engine in both cases, so both continue the same prefixes). vLLM is
-  built once, warmed up with one short request, and its prefix cache is emptied before every timed run, as the
-  native engine starts every job from nothing; its decode batch is not observable, so ``mean_decode_rows`` is
-  null and the limit runs at vLLM's ``max_num_seqs`` rows (or all continuations, if fewer);
+- vllm (with ``--engine vllm``): the vLLM backend on the same workload (the same responses, sampled by the native
+  engine, the same boundaries and K), after the native runs; vLLM is built once, warmed up with one short
+  request, and its prefix cache is emptied before every timed run, as the native engine starts every job from
+  nothing; vllm_over_native = vllm / native;
 - naive: Hugging Face ``model.generate(do_sample=True, num_return_sequences=K)`` over left-padded batches
   of prefixes, every prefix re-encoded (a fraction of the prefixes, for time; tokens up to EOS count);
 - limit: bare batched decode steps of the same model at the engine's mean batch size, attending on average to
@@ -30,6 +29,7 @@ tokens (a random model never emits EOS, so every continuation runs to the length
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -149,17 +149,14 @@ def run_vllm(eng, seqs, bounds, params, seed=0):
     out = eng.continuations(seqs, bounds, K, params, generator=g)
     dt = time.perf_counter() - t0
     n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
-    n_cont = sum(len(x) for r in out for x in r)
-    rows = min(n_cont, eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
-    return n_tok / dt, dict(seconds=dt, tokens=n_tok, continuations=n_cont, decode_steps=None, mean_rows=None,
-                            limit_rows=rows, max_rows=None)
+    max_num_seqs = eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs  # vLLM's cap on its decode batch
+    return n_tok / dt, dict(seconds=dt, tokens=n_tok, max_num_seqs=max_num_seqs)
 
 
 def start_vllm(model, tok, folder, seqs, params):
-    """The vLLM backend on ``folder`` (a random model is saved to a temporary one), warmed up by one short request."""
+    """The vLLM backend on ``folder``, warmed up by one short request (outside the timing)."""
     eng = make_engine("vllm", model, tok, model_dir=folder)
-    eng.generate([seqs[0][:8]], 1, SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                                  max_new_tokens=4))
+    eng.generate([seqs[0][:8]], 1, dataclasses.replace(params, max_new_tokens=4))
     return eng
 
 
@@ -178,9 +175,8 @@ def run_native(model, tok, seqs, bounds, params, seed=0):
         hook.remove()
     n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
     n_cont = sum(len(x) for r in out for x in r)
-    mean_rows = sum(rows) / max(1, len(rows))
     return n_tok / dt, dict(seconds=dt, tokens=n_tok, continuations=n_cont, decode_steps=len(rows),
-                            mean_rows=mean_rows, limit_rows=int(round(mean_rows)), max_rows=max(rows, default=0))
+                            mean_rows=sum(rows) / max(1, len(rows)), max_rows=max(rows, default=0))
 
 
 def run_naive(model, tok, seqs, bounds, params, batch_prefixes, fraction, eos_id, seed=0):
@@ -243,19 +239,36 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
     return rows * steps / dt
 
 
-def main(argv=None):
+def _arguments(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", help="a saved Hugging Face model folder (default: tiny random Llama)")
-    ap.add_argument("--engine", choices=ENGINES, default="native", help="the rollout backend measured (default native)")
+    ap.add_argument("--engine", choices=ENGINES, default="native",
+                    help="vllm: also run the vLLM backend on the same workload (the vllm column; needs vLLM)")
     ap.add_argument("--naive-fraction", type=float, default=0.2, help="share of prefixes the naive baseline runs")
     ap.add_argument("--naive-batch", type=int, default=32, help="prefixes per naive generate() call (x K rows)")
     ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (default: the machine's cores; use fewer when others share the machine)")
-    args = ap.parse_args(argv)
-    threads = _threads(args.threads)
+    return ap.parse_args(argv)
 
+
+def _vllm_column(args, model, tok, seqs, bounds, params) -> dict:
+    """The vLLM backend's runs on the workload (--repeats of them, median reported)."""
+    with tempfile.TemporaryDirectory() as scratch:  # vLLM loads a model from a folder: the random one goes here
+        if not args.model:
+            model.save_pretrained(scratch)
+        eng = start_vllm(model, tok, args.model or scratch, seqs, params)
+        runs = [run_vllm(eng, seqs, bounds, params) for _ in range(args.repeats)]
+    speeds = [r[0] for r in runs]
+    info = runs[-1][1]
+    return {"vllm_tokens_per_s": statistics.median(speeds), "vllm_runs_tokens_per_s": speeds,
+            "vllm_tokens": info["tokens"], "vllm_seconds": info["seconds"], "vllm_max_num_seqs": info["max_num_seqs"]}
+
+
+def main(argv=None):
+    args = _arguments(argv)
+    threads = _threads(args.threads)
     if args.model:
         model, tok, seqs, bounds, params, note = model_setup(args.model)
         eos_id = tok.eos_token_id
@@ -263,22 +276,13 @@ def main(argv=None):
         model, tok, seqs, bounds, params, note = random_setup()
         eos_id = None
     n_bounds = sum(map(len, bounds))
-    scratch = tempfile.TemporaryDirectory()  # vLLM loads a model from a folder: the random one is saved there
-    if args.engine == "vllm":
-        folder = args.model or scratch.name
-        if not args.model:
-            model.save_pretrained(folder)
-        eng = start_vllm(model, tok, folder, seqs, params)
     # engine and limit alternate, so both see the same (shared, noisy) machine; medians are reported
     natives, limits = [], []
     for rep in range(args.repeats):
-        if args.engine == "vllm":
-            native, ninfo = run_vllm(eng, seqs, bounds, params)
-        else:
-            native, ninfo = run_native(model, tok, seqs, bounds, params)
+        native, ninfo = run_native(model, tok, seqs, bounds, params)
         natives.append(native)
         if rep == 0:
-            rows = ninfo["limit_rows"]
+            rows = int(round(ninfo["mean_rows"]))
             mean_prefix = sum(b for bs in bounds for b in bs) / n_bounds
             mean_cont = ninfo["tokens"] / max(1, ninfo["continuations"])
             ctx = int(mean_prefix + mean_cont / 2)
@@ -296,7 +300,6 @@ def main(argv=None):
         "limit_runs_tokens_per_s": limits,
         "limit_hf_dynamic_cache_tokens_per_s": limit_hf,
         "model": args.model or "random-llama-h256-l4",
-        "engine": args.engine,
         "threads": threads,
         "boundaries": n_bounds,
         "continuations": ninfo["continuations"],
@@ -309,23 +312,33 @@ def main(argv=None):
         "limit_context": ctx,
         "random_model_never_emits_eos": bool(note),
     }
+    if args.engine == "vllm":
+        res.update(_vllm_column(args, model, tok, seqs, bounds, params))
+        res["vllm_over_native"] = res["vllm_tokens_per_s"] / native
     if args.json:
         print(json.dumps(res))
         return
-    print(f"model: {res['model']}  threads: {threads}")
+    _print(res, args, seqs, params, ninfo, vinfo, note)
+
+
+def _print(res, args, seqs, params, ninfo, vinfo, note):
+    print(f"model: {res['model']}  threads: {res['threads']}")
     if note:
         print("random model: it never emits EOS, so every continuation runs to max_new_tokens")
-    print(f"workload: {len(seqs)} responses, {n_bounds} boundaries, K={K} -> {ninfo['continuations']} continuations, "
-          f"{ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
+    print(f"workload: {len(seqs)} responses, {res['boundaries']} boundaries, K={K} -> {ninfo['continuations']} "
+          f"continuations, {ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
           f"max_new_tokens={params.max_new_tokens})")
-    batches = "" if ninfo["mean_rows"] is None else \
-        f", {ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows"
-    print(f"{args.engine + ' engine':<14}: {native:9.0f} tokens/s  (median of {args.repeats}; {ninfo['seconds']:.1f} s"
-          f"{batches})")
-    print(f"naive HF      : {naive:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, {vinfo['seconds']:.1f} s)")
-    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens, in-place KV buffer; median of "
-          f"{args.repeats})")
-    print(f"  (same loop with HF's concatenating DynamicCache: {limit_hf:.0f} tokens/s)")
+    print(f"native engine : {res['native_tokens_per_s']:9.0f} tokens/s  (median of {args.repeats}; "
+          f"{ninfo['seconds']:.1f} s, {ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows)")
+    if "vllm_tokens_per_s" in res:
+        print(f"vLLM engine   : {res['vllm_tokens_per_s']:9.0f} tokens/s  (median of {args.repeats}; "
+              f"{res['vllm_seconds']:.1f} s, {res['vllm_tokens']} tokens; {res['vllm_over_native']:.2f}x native)")
+    print(f"naive HF      : {res['naive_tokens_per_s']:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, "
+          f"{vinfo['seconds']:.1f} s)")
+    print(f"decode limit  : {res['limit_tokens_per_s']:9.0f} tokens/s  ({res['limit_rows']} rows, cache "
+          f"~{res['limit_context']} tokens, in-place KV buffer; median of {args.repeats})")
+    print(f"  (same loop with HF's concatenating DynamicCache: {res['limit_hf_dynamic_cache_tokens_per_s']:.0f} "
+          f"tokens/s)")
     print(f"speedup {res['speedup']:.2f}x, fraction of limit {res['fraction_of_limit']:.2f}")
 
 

@@ -130,7 +130,10 @@ class VLLMEngine:
             self._asleep = True
 
     def push_weights(self, model: torch.nn.Module) -> None:
-        """Reload every weight of ``model`` into vLLM and reset its prefix cache (cached blocks hold old keys)."""
+        """Reload every weight of ``model`` into vLLM and reset its prefix cache (cached blocks hold old keys); nothing
+        to do when ``model`` is the engine's and unchanged since the last push (DPO+ samples from the frozen SFT model)."""
+        if model is self.model and _versions(model) == self._synced:
+            return
         self._wake()
         weights = [(name, t.detach()) for name, t in model.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
@@ -208,14 +211,15 @@ def _check_cpu_head_size(model) -> None:
 
 @contextmanager
 def _process_state_kept():
-    """Put back the global RNG states and torch.set_num_threads, which vLLM's start-up changes."""
+    """Put back the global RNG states, torch's thread count and torch.set_num_threads, which vLLM's start-up changes."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    set_num_threads = torch.set_num_threads
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
     finally:
         torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)  # vLLM's CPU worker sets its own count (all cores) before disabling the call
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
