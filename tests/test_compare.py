@@ -112,6 +112,7 @@ def test_train_command_skips_resumes_and_restarts(tmp_path, comparison):
 
 def test_plan_checks_budgets(tmp_path):
     plan(["vineppo", "ppo", "grpo", "rloo"], 3, "arith-tiny")
+    plan(["vineppo", "ppo", "grpo", "rloo", "restem", "dpo-positive"], 3, "arith-tiny")
     preset = tmp_path / "p.yaml"
     preset.write_text("task: arith\nalgos:\n  grpo:\n    samples_per_prompt: 4\n")
     with pytest.raises(UserError):
@@ -140,3 +141,21 @@ def test_run_all_runs_jobs_in_parallel_and_reports_failures(tmp_path, monkeypatc
     assert sorted(failed) == ["rloo-s0", "rloo-s1"]
     assert (tmp_path / "runs" / "ppo-s1" / "summary.json").exists() and (tmp_path / "logs" / "rloo-s0.log").exists()
     assert compare.report(tmp_path)["algos"]["ppo"]["time_to_ppo_best_s"]["mean"] == 0.0
+
+
+def test_report_lists_restem_and_dpo_positive_with_the_validation_pick(comparison):
+    _write_run(comparison, "restem-s0", [0.2, 0.5, 0.3], 4.0)
+    _write_run(comparison, "dpo-positive-s0", [0.2, 0.3, 0.4], 4.0)
+    summary_path = comparison / "runs" / "restem-s0" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update({"best_val_iteration": 2, "best_val_pass@1": 0.6, "test_at_best_val_pass@1": 0.5})
+    summary_path.write_text(json.dumps(summary))
+    s = report(comparison)
+    assert list(s["algos"]) == ["vineppo", "ppo", "grpo", "restem", "dpo-positive"]  # the paper's baselines last
+    assert s["algos"]["restem"]["test_at_best_val_pass@1"] == {"mean": 0.5, "std": 0.0}
+    assert s["algos"]["dpo-positive"]["final_test_pass@1"]["mean"] == pytest.approx(0.4)
+    text = (comparison / "report.md").read_text()
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["restem"].startswith("| restem | 1 | 30.0 ± 0.0 |") and rows["restem"].endswith("| 50.0 ± 0.0 |")
+    assert rows["dpo-positive"].startswith("| dpo-positive | 1 | 40.0 ± 0.0 |")
+    assert rows["dpo-positive"].endswith("| n/a |") and rows["ppo"].endswith("| n/a |")  # no validation split

@@ -67,6 +67,20 @@ def test_vine_three_step_response():
     assert credit.stats["mc/states"] == 3 and credit.stats["mc/continuations"] == 12
 
 
+def test_vine_estimates_a_state_shared_by_responses_once():
+    # Two responses to one prompt share the prompt state and their first step (tokens 10, 11); the third
+    # differs after the prompt. Distinct prefixes: prompt, [10, 11] (shared), [10, 11, 12, 13], [20, 21].
+    a = _ep(1.0, n_tokens=6, steps=[(0, 2), (2, 4), (4, 6)])
+    b = _ep(0.0, n_tokens=4, steps=[(0, 2), (2, 4)])
+    c = Episode([1, 2], [20, 21, 22], "", 0.0, 0, "7", [(0, 2), (2, 3)])
+    engine = FakeEngine([[2, 1, 4], [0]])  # per called sequence (a, c); K=4: V(prompt)=0.5, V([10,11])=0.25, V(a's 3rd)=1, V([20,21])=0
+    credit = get_estimator("vine")([a, b, c], _vine_ctx(engine, mc_k=4))
+    assert engine.calls[0][1] == [[2, 4, 6], [4]]  # b runs nothing; c only its own second state
+    assert credit.advantages[1].tolist() == pytest.approx([-0.25, -0.25, -0.25, -0.25])  # 0.25-0.5, 0-0.25
+    assert credit.advantages[2].tolist() == pytest.approx([-0.5, -0.5, 0.0])
+    assert credit.stats["mc/states"] == 4 and credit.stats["mc/states_shared"] == 7
+
+
 def test_vine_state_cap_uses_reward_and_truncated_continuations_score_zero():
     ep = _ep(1.0, n_tokens=3, steps=[(0, 1), (1, 2), (2, 3)])
 

@@ -77,9 +77,9 @@ def _iterations(run) -> list[int]:
 
 
 def test_extended_total_survives_a_kill_and_a_plain_resume(run, capsys, monkeypatch):
-    import vineppo.train as train_mod
+    import vineppo.algorithms as algorithms  # the PPO update is called by the PPO family's registered function
 
-    real, calls = train_mod.ppo_update, []
+    real, calls = algorithms.ppo_update, []
 
     def killed_in_iteration_4(*a, **k):
         calls.append(1)
@@ -87,10 +87,10 @@ def test_extended_total_survives_a_kill_and_a_plain_resume(run, capsys, monkeypa
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(train_mod, "ppo_update", killed_in_iteration_4)
+    monkeypatch.setattr(algorithms, "ppo_update", killed_in_iteration_4)
     code, _, _ = _cli(capsys, ["train", "--resume", str(run), "--iterations", "4"])
     assert code == 130 and (run / "checkpoints" / "latest").read_text().strip() == "iter-000003"
-    monkeypatch.setattr(train_mod, "ppo_update", real)
+    monkeypatch.setattr(algorithms, "ppo_update", real)
     code, out, _ = _cli(capsys, ["train", "--resume", str(run), "--json"])
     assert code == 0 and json.loads(out)["iterations"] == 4  # the total last asked for, not the original 2
     assert _iterations(run) == [1, 2, 3, 4]
@@ -114,10 +114,11 @@ def test_a_run_folder_in_use_is_refused_naming_the_holder(tmp_path, capsys, how)
 
 
 def test_the_lock_names_this_process_while_the_run_lives(run, monkeypatch):
-    import vineppo.train as train_mod
+    import vineppo.algorithms as algorithms
 
-    real, seen = train_mod.ppo_update, []
-    monkeypatch.setattr(train_mod, "ppo_update", lambda *a, **k: seen.append((run / ".lock").read_text()) or real(*a, **k))
+    real, seen = algorithms.ppo_update, []
+    monkeypatch.setattr(algorithms, "ppo_update",
+                        lambda *a, **k: seen.append((run / ".lock").read_text()) or real(*a, **k))
     train(_resumed(run, 3), resume=run)
     assert seen == [f"process {os.getpid()} on host {socket.gethostname()}\n"]
     with open(run / ".lock", "a+") as f:  # released at the end

@@ -179,3 +179,10 @@ def test_sft_help_states_current_defaults(capsys):
         m = re.search(re.escape(flag) + r" [A-Z_]+ [^()]*\(tiny: ([^,]+), pretrained: ([^)]+)\)", text)
         assert m, f"{flag}: no defaults in the help text"
         assert (float(m[1]), float(m[2])) == (TINY_DEFAULTS[key], PRETRAINED_DEFAULTS[key]), flag
+
+
+def test_sft_prints_progress_lines_when_output_is_not_a_terminal(tmp_path, capsys):
+    run_sft("arith-mini", out=tmp_path / "m", max_steps=40, batch_size=16, device="cpu", progress=True, **SIZE)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("sft: step")]
+    assert len(lines) == 20 and lines[-1].startswith("sft: step 40/40 (100%)")
+    assert "tok/s" in lines[0] and "left" in lines[0]

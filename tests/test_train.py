@@ -179,3 +179,28 @@ def test_batch_without_signal_warns_once(tiny_sft, tmp_path, capsys):
 
     eps = [Episode([1], [2], "", r, g, "7", [(0, 1)]) for g, r in ((0, 1.0), (0, 0.0), (1, 1.0), (1, 1.0), (2, 0.0))]
     assert _mixed_prompts(eps) == 1
+
+
+def _group_ep(group: int, reward: float) -> Episode:
+    return Episode([1], [2], "", reward, group, "1", [(0, 1)])
+
+
+def test_oversampling_keeps_prompts_with_mixed_outcomes_first():
+    from vineppo.train import _informative
+
+    # 5 drawn prompts, 2 responses each: prompts 1 and 3 are mixed, 0, 2 and 4 are not.
+    rewards = {0: (1, 1), 1: (0, 1), 2: (0, 0), 3: (1, 0), 4: (1, 1)}
+    episodes = [_group_ep(g, r) for g, pair in rewards.items() for r in pair]
+    kept = _informative(episodes, 3)
+    # mixed prompts 1 and 3 first, then the first uniform one (0), renumbered 0, 1, 2 in that order
+    assert [(ep.group, ep.reward) for ep in kept] == [(2, 1), (2, 1), (0, 0), (0, 1), (1, 1), (1, 0)]
+    assert len(_informative(episodes, 1)) == 2 and {ep.group for ep in _informative(episodes, 1)} == {0}
+
+
+def test_oversampled_run_updates_on_the_kept_prompts(tiny_sft, tmp_path):
+    torch.set_num_threads(1)
+    train(_cfg(tiny_sft, tmp_path / "run", iterations=1, oversample=3, eval_problems=0))
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["episodes"] == 3 * 16  # every drawn prompt's responses are sampled and graded ...
+    assert row["mc/states_shared"] <= 16 * SMALL["mc_max_states"]  # ... the Monte Carlo runs on the 4 kept prompts
+    assert 0.0 <= row["train/kept_mixed_prompts"] <= 1.0

@@ -138,6 +138,8 @@ def test_after_an_update_vllm_samples_from_the_new_weights(tiny):
     eng.push_weights(policy)
     again = _dump(eng.generate(prompts, 1, params))
     assert eng.pushes == 2  # pushed once, not again by the job
+    eng.push_weights(policy)
+    assert eng.pushes == 2  # unchanged since the last push: nothing to reload
     assert again == _dump(Engine(policy, tok).generate(prompts, 1, params)) != after
 
 
@@ -182,6 +184,26 @@ def test_two_vineppo_iterations_with_vllm(sft_h32, tmp_path, monkeypatch):
     assert rows[1]["mc/continuations"] == 2 * rows[1]["mc/states"]
     assert len(pushed) == 2  # once after each update
     assert configs.load(tmp_path / "config.yaml").engine == "vllm"
+
+
+@real_vllm
+@pytest.mark.parametrize("algo, pushes", [("restem", [1]), ("dpo-positive", [0])])
+def test_restem_and_dpo_positive_sample_with_vllm(algo, pushes, sft_h32, tmp_path, monkeypatch):
+    """RestEM's restart from the SFT weights is pushed after its round; DPO+ samples from the frozen SFT model
+    (--sample-from sft): vLLM holds those weights, nothing is pushed, and the policy is evaluated natively."""
+    from vineppo.engine.vllm_backend import VLLMEngine
+    from vineppo.train import train
+
+    torch.set_num_threads(1)
+    seen, push = [], VLLMEngine.push_weights
+    monkeypatch.setattr(VLLMEngine, "push_weights", lambda self, m: (push(self, m), seen.append(self.pushes)))
+    small = dict(prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, minibatch=8, micro_batch=8,
+                 eval_problems=4, eval_samples=2, val_problems=0, tensorboard=False)
+    cfg = configs.resolve(configs.load_preset("arith-tiny"), {**small, "algo": algo, "model": str(sft_h32),
+                                                                "out": str(tmp_path), "iterations": 1, "engine": "vllm"})
+    summary = train(cfg)
+    assert summary["iterations"] == 1 and summary["final_test_pass@1"] is not None
+    assert seen == pushes
 
 
 # ------------------------------------------------------------------ without vLLM (every venv)

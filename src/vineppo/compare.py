@@ -29,7 +29,7 @@ from pathlib import Path
 from vineppo.errors import UserError
 
 PHASES = ("time/sampling_s", "time/credit_s", "time/update_s")
-RUN_NAME = re.compile(r"^(?P<algo>[\w.]+)-s(?P<seed>\d+)$")
+RUN_NAME = re.compile(r"^(?P<algo>[\w.-]+)-s(?P<seed>\d+)$")  # e.g. dpo-positive-s2
 
 
 # ------------------------------------------------------------------------------------ running
@@ -183,7 +183,7 @@ def time_to_reach(run: dict, target: float) -> float | None:
 
 def summarize(runs: dict[str, dict[int, dict]]) -> dict:
     """compare.json: per algorithm, mean/std over seeds of the headline numbers, and time to PPO's best."""
-    order = ["vineppo", "ppo", "grpo", "rloo"]  # the report lists methods in this order, others after
+    order = ["vineppo", "ppo", "grpo", "rloo", "restem", "dpo-positive"]  # the report's order, others after
     runs = dict(sorted(runs.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
     ppo = runs.get("ppo")
     ppo_best = mean_std([r["summary"]["best_test_pass@1"] for r in ppo.values()])["mean"] if ppo else None
@@ -194,6 +194,8 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
         entry = {"seeds": seeds}
         for key in ("final_test_pass@1", "best_test_pass@1", "sft_test_pass@1"):
             entry[key] = mean_std([r["summary"][key] for r in rs])
+        # Runs that evaluate a validation split (RestEM) pick their model by it: its test pass@1.
+        entry["test_at_best_val_pass@1"] = mean_std([r["summary"].get("test_at_best_val_pass@1") for r in rs])
         entry["wall_clock_s"] = mean_std([r["summary"]["wall_clock_s"] for r in rs])
         entry["wall_clock_per_iteration_s"] = mean_std(
             [r["summary"]["wall_clock_s"] / r["summary"]["iterations"] for r in rs if r["summary"]["iterations"]])
@@ -231,14 +233,15 @@ def write_report(out: Path, summary: dict, unfinished: list[str]) -> None:
     best = summary["ppo_best_test_pass@1"]
     lines = ["# Comparison", "",
              "Mean ± standard deviation over seeds (sample std; 0 with one seed). Pass@1 in %. Seconds per phase "
-             "are means per iteration.", "",
+             "are means per iteration. Test at best validation: the test pass@1 of the iteration with the best "
+             "validation pass@1 (the model selection of runs that evaluate a validation split: RestEM).", "",
              "| method | seeds | final test | best test | SFT test | s / iteration | sampling s | credit s | update s "
-             "| time to PPO best |", "|" + "---|" * 10]
+             "| time to PPO best | test at best validation |", "|" + "---|" * 11]
     for algo, e in summary["algos"].items():
         lines.append(f"| {algo} | {len(e['seeds'])} | {_fmt(e['final_test_pass@1'], True)} | "
                      f"{_fmt(e['best_test_pass@1'], True)} | {_fmt(e['sft_test_pass@1'], True)} | "
                      f"{_fmt(e['wall_clock_per_iteration_s'])} | " + " | ".join(_fmt(e[p]) for p in PHASES) +
-                     f" | {_reach(e['time_to_ppo_best_s'])} |")
+                     f" | {_reach(e['time_to_ppo_best_s'])} | {_fmt(e['test_at_best_val_pass@1'], True)} |")
     lines += ["", "## Time to PPO's best test accuracy", ""]
     if best is None:
         lines.append("No PPO runs: nothing to compare against.")
@@ -312,7 +315,8 @@ def report(out: Path) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo compare`."""
-    p.add_argument("--algos", default="vineppo,ppo,grpo,rloo", help="comma-separated algorithms")
+    p.add_argument("--algos", default="vineppo,ppo,grpo,rloo",
+                   help="comma-separated algorithms: any of vineppo, ppo, grpo, rloo, restem, dpo-positive")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 for every algorithm (default 3)")
     p.add_argument("--iterations", type=int, default=None, help="RL iterations per run (default: the preset's)")
     p.add_argument("--config", default="arith-tiny", help="training preset or YAML file (default: arith-tiny)")

@@ -27,19 +27,21 @@ from vineppo.errors import UserError
 
 PRESETS = Path(__file__).parent / "configs"
 
-# --algo NAME -> the estimator and the settings that make it that algorithm.
+# --algo NAME -> the settings that make it that algorithm (its update is registered in vineppo.algorithms).
 ALGOS: dict[str, dict] = {
     "vineppo": {"estimator": "vine", "gae_lambda": 0.0},
     "ppo": {"estimator": "gae", "gae_lambda": 1.0},
     "grpo": {"estimator": "grpo"},
     "rloo": {"estimator": "rloo"},
+    "restem": {"estimator": "none", "val_problems": 500},  # the best round is picked on the validation split
+    "dpo-positive": {"estimator": "none", "sample_from": "sft"},  # the paper's offline pairs, from the SFT model
 }
 
 
 @dataclass
 class TrainConfig:
-    algo: str = "vineppo"  # vineppo | ppo | grpo | rloo: picks the estimator and its defaults
-    estimator: str = "vine"  # credit estimator by registry name (set by algo)
+    algo: str = "vineppo"  # vineppo | ppo | grpo | rloo | restem | dpo-positive: picks the update and its defaults
+    estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
     data: str | None = None  # local training file for the task (None: the task's default source)
     model: str = "auto"  # SFT model: folder or hub id; "auto" trains/caches the task's default tiny SFT model
@@ -50,6 +52,7 @@ class TrainConfig:
     iterations: int = 1000  # RL iterations (sample -> credit -> update)
     prompts_per_iter: int = 64  # prompts per iteration, drawn with replacement
     samples_per_prompt: int = 8  # responses per prompt (a group for GRPO/RLOO)
+    oversample: int = 1  # draw oversample x prompts_per_iter prompts, keep prompts_per_iter: those whose responses differ in reward first (DAPO's dynamic sampling; 1 keeps all)
     temperature: float = 0.6  # sampling temperature; log-probs use logits / temperature too
     top_p: float = 0.9  # nucleus sampling
     max_new_tokens: int = 1024  # response length cap; a truncated response gets reward 0
@@ -68,10 +71,16 @@ class TrainConfig:
     value_clip: float = 0.2  # PPO critic value clip
     kl_coef: float = 1e-4  # weight of the k3 KL to the frozen SFT reference
     whiten_advantages: bool = True  # normalise advantages over the batch
+    sample_from: str = "policy"  # policy | sft: the model that samples each iteration (sft: DPO+'s offline setting)
+    restem_keep: int = 10  # RestEM: correct responses kept per question and round (the paper: at most 10)
+    dpo_pairs: int = 8  # DPO+: (correct, incorrect) pairs per prompt, drawn from all such pairs of its responses
+    dpo_beta: float = 0.1  # DPO+: beta, the scale of the implicit reward
+    dpo_lambda: float = 50.0  # DPO+: lambda, the weight of the penalty on the chosen response's likelihood falling
     eval_every: int = 10  # iterations between test evaluations (0: only at start and end)
     eval_split: str = "test"  # split evaluated during training
     eval_data: str | None = None  # local file for the evaluation split (None: the task's default source)
     eval_problems: int = 500  # problems evaluated (the first N of the split)
+    val_problems: int = 0  # validation problems evaluated with the test set (0: none); picks the best iteration
     eval_samples: int = 16  # samples per problem for pass@1
     eval_temperature: float = 0.35  # evaluation sampling temperature
     save_every: int = 10  # iterations between checkpoints (always one at the end)
@@ -96,7 +105,7 @@ RULES: dict[str, Rule] = {
     "algo": (lambda v: v in ALGOS, f"must be one of {', '.join(ALGOS)}"),
     "engine": (lambda v: v in ENGINES, f"must be one of {', '.join(ENGINES)}"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "must be auto, cpu, cuda or cuda:N"),
-    "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1,
+    "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1, "oversample": AT_LEAST_1,
     "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),
     "top_p": TOP_P, "max_new_tokens": AT_LEAST_1, "mc_k": AT_LEAST_1, "mc_max_states": AT_LEAST_1,
     "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
@@ -104,13 +113,20 @@ RULES: dict[str, Rule] = {
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
     "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
-    "token_budget": AT_LEAST_1,
+    "token_budget": AT_LEAST_1, "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
+    "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,
+    "val_problems": AT_LEAST_0,
 }
 
 # Rules over several fields: (the field an error names, test, what must hold).
 COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
     ("samples_per_prompt", lambda c: c.estimator not in ("grpo", "rloo") or c.samples_per_prompt >= 2,
      lambda c: f"{c.algo} compares the responses to one prompt and needs at least 2 (with 1 every advantage is 0)"),
+    ("samples_per_prompt", lambda c: c.algo != "dpo-positive" or c.samples_per_prompt >= 2,
+     lambda c: "dpo-positive pairs responses to one prompt and needs at least 2"),
+    ("sample_from", lambda c: c.sample_from == "policy" or c.estimator == "none",
+     lambda c: f"{c.algo} learns on-policy (its update and credit assume its own samples); sft is for dpo-positive "
+               f"or restem"),
     ("token_budget", lambda c: c.token_budget > c.max_new_tokens,
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
 ]

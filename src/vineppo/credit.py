@@ -87,18 +87,19 @@ def _per_response(episodes: list[Episode], scores: list[float]) -> list[torch.Te
     return [torch.full((len(ep.response_ids),), float(s)) for ep, s in zip(episodes, scores)]
 
 
-def _groups(episodes: list[Episode]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
+def groups(episodes: list[Episode]) -> dict[int, list[int]]:
+    """Episode indices by prompt (responses to one prompt form a group)."""
+    out: dict[int, list[int]] = {}
     for i, ep in enumerate(episodes):
-        groups.setdefault(ep.group, []).append(i)
-    return groups
+        out.setdefault(ep.group, []).append(i)
+    return out
 
 
 @register("grpo")
 def grpo(episodes: list[Episode], ctx: CreditContext) -> Credit:
     """GRPO: (r - mean of its group) / std of its group, the same for every token of a response."""
     scores = [0.0] * len(episodes)
-    for members in _groups(episodes).values():
+    for members in groups(episodes).values():
         r = torch.tensor([episodes[i].reward for i in members])
         std = r.std() if len(members) > 1 else torch.tensor(0.0)
         for i, a in zip(members, (r - r.mean()) / (std + 1e-6)):
@@ -110,7 +111,7 @@ def grpo(episodes: list[Episode], ctx: CreditContext) -> Credit:
 def rloo(episodes: list[Episode], ctx: CreditContext) -> Credit:
     """RLOO: r minus the mean reward of the other responses to the same prompt."""
     scores = [0.0] * len(episodes)
-    for members in _groups(episodes).values():
+    for members in groups(episodes).values():
         total, n = sum(episodes[i].reward for i in members), len(members)
         for i in members:
             scores[i] = episodes[i].reward - (total - episodes[i].reward) / (n - 1) if n > 1 else 0.0
@@ -145,9 +146,15 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     response itself had left, and is graded by the same rule (cut off: 0). The response's end is no state to
     sample from: a step starting there (an empty last step), like a state past the cap, takes V = the reward.
     """
+    # A state is a token prefix: the prompt is shared by all responses to it, and responses often share their
+    # first steps, so each distinct prefix is estimated once (its first holder runs it) and its value shared.
     sequences, boundaries, budgets, owners, positions = [], [], [], [], []
+    first: dict[tuple, tuple[int, int]] = {}  # state key -> (episode, response offset) of the one that runs it
+    keys: list[dict[int, tuple]] = []  # per episode: response offset -> state key
     for i, ep in enumerate(episodes):
-        pos = sorted({s for s, _ in ep.steps if s < len(ep.response_ids)})[: ctx.mc_max_states]
+        own = sorted({s for s, _ in ep.steps if s < len(ep.response_ids)})[: ctx.mc_max_states]
+        keys.append({s: (tuple(ep.prompt_ids), tuple(ep.response_ids[:s])) for s in own})
+        pos = [s for s in own if first.setdefault(keys[i][s], (i, s)) == (i, s)]
         positions.append(pos)
         if pos:
             sequences.append(ep.prompt_ids + ep.response_ids)
@@ -156,16 +163,17 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
             owners.append(i)
     rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k, ctx.params, ctx.generator, ctx.progress,
                                         budgets=budgets)
-    value_at: list[dict[int, float]] = [{} for _ in episodes]  # response offset -> V
+    value_of: dict[tuple, float] = {}
     n_cont = n_tokens = 0
     for i, per_state in zip(owners, rollouts):
         ep = episodes[i]
         for start, samples in zip(positions[i], per_state):
             prefix = ep.response_ids[:start]
             wins = [continuation_reward(ctx.grade, ctx.tokenizer, prefix, s, ep.answer) for s in samples]
-            value_at[i][start] = sum(wins) / len(wins)
+            value_of[keys[i][start]] = sum(wins) / len(wins)
             n_cont += len(samples)
             n_tokens += sum(len(s.token_ids) for s in samples)
+    value_at = [{s: value_of[key] for s, key in k.items()} for k in keys]  # response offset -> V
     advantages, all_values = [], []
     for ep, at in zip(episodes, value_at):
         vals = [at.get(s, ep.reward) for s, _ in ep.steps]
@@ -175,7 +183,8 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
         advantages.append(adv)
         all_values.extend(vals)
     v = torch.tensor(all_values) if all_values else torch.zeros(1)
-    stats = {"mc/states": float(sum(len(b) for b in boundaries)), "mc/continuations": float(n_cont),
+    stats = {"mc/states": float(sum(len(b) for b in boundaries)), "mc/states_shared": float(sum(map(len, keys))),
+             "mc/continuations": float(n_cont),
              "mc/tokens": float(n_tokens), "value/mean": float(v.mean()), "value/std": float(v.std()) if len(v) > 1 else 0.0}
     return Credit(advantages, stats=stats)
 

@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.models import context_length, encode_prompt, encode_target, load_model, pick_device, tiny_model
 from vineppo.runs import make_folder
 from vineppo.tasks import get_task
+from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
 TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
@@ -186,6 +188,8 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
     batches: list[list[int]] = []
     t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
     bar = _progress(progress)
+    lines = progress and not console.is_terminal  # rich draws nothing into a file or pipe: print lines there instead
+    line_every = max(1, total // 20)
     with bar, open(tmp / "metrics.jsonl", "w") as log:
         job = bar.add_task("sft", total=total, loss=float("nan"), tps=0.0)
         for step in range(total):
@@ -200,7 +204,8 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
             sched.step()
             opt.zero_grad(set_to_none=True)
             tokens += int(batch["attention_mask"].sum())
-            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+            step_loss = loss.item()
+            loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
             if (step + 1) % log_every == 0 or step + 1 == total:
                 elapsed = time.time() - t0
                 row = dict(step=step + 1, loss=round(loss_sum / loss_n, 5), lr=sched.get_last_lr()[0],
@@ -209,13 +214,21 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
                 log.flush()
                 bar.update(job, loss=row["loss"], tps=row["tokens_per_s"])
                 loss_sum, loss_n = 0.0, 0
+            if lines and ((step + 1) % line_every == 0 or step + 1 == total):
+                _print_line(step + 1, total, step_loss, tokens, time.time() - t0)
             bar.update(job, advance=1)
     net.eval()
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _print_line(step: int, total: int, loss: float, tokens: int, elapsed: float) -> None:
+    """One plain progress line (5% of the steps apart) for output that is not a terminal."""
+    left = elapsed * (total - step) / step
+    print(f"sft: step {step}/{total} ({100 * step // total}%)  loss {loss:.4f}  {tokens / elapsed:,.0f} tok/s  "
+          f"{elapsed:.0f}s elapsed, ~{left:.0f}s left", file=sys.stderr, flush=True)
 
+
+def _progress(enabled: bool) -> Progress:
+    """The terminal progress bar of the SFT loop."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:.0f} tok/s"),
                     TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled)

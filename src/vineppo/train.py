@@ -1,7 +1,8 @@
-"""`vineppo train`: the RL loop. Sample -> grade -> credit assignment -> PPO update -> evaluate -> checkpoint.
+"""`vineppo train`: the RL loop. Sample -> grade -> the algorithm's update -> evaluate -> checkpoint.
 
-One loop serves every algorithm; they differ only in the credit estimator (vineppo.credit) and its
-settings (vineppo.config.ALGOS). Read `train` top to bottom.
+One loop serves every algorithm; they differ only in the update registered under their name
+(vineppo.algorithms: credit assignment + PPO, RestEM, DPO+) and its settings (vineppo.config.ALGOS).
+Read `train` top to bottom.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import torch
 from vineppo import config as configs
 from vineppo import distributed as dist
 from vineppo import runs
+from vineppo.algorithms import Context, get_algorithm
 from vineppo.config import TrainConfig
-from vineppo.credit import CreditContext, Episode, get_estimator
+from vineppo.credit import Episode
 from vineppo.engine import SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length
-from vineppo.ppo import Critic, UpdateConfig, mean_std, ppo_update, whiten
+from vineppo.ppo import Critic
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, progress_bar
@@ -48,11 +50,11 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     """The run, its folder locked: folder and data checks before any model loads, then models, then the loop."""
     main = dist.is_main()
     task = get_task(cfg.task)
-    estimator = get_estimator(cfg.estimator)
+    algorithm = get_algorithm(cfg)
     found = runs.resume_point(out, cfg.iterations) if resume else []
     if main and not resume:
         runs.start_fresh(out)
-    train_set, test_set = _load_data(cfg, task)
+    train_set, test_set, val_set = _load_data(cfg, task)
     if main:
         console.print(f"{'resuming ' if resume else ''}{cfg.algo} on {cfg.task}, preset {cfg.preset or 'none'}, "
                       f"run folder {out}", highlight=False, soft_wrap=True)
@@ -65,7 +67,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     from vineppo.models import disable_dropout, encode_prompt, load_model
 
     policy, tokenizer = load_model(model_dir, device=str(device), verbose=main)
-    _check_lengths(cfg, task, tokenizer, policy, train_set, test_set)
+    _check_lengths(cfg, task, tokenizer, policy, train_set, test_set, val_set)
     reference, _ = load_model(model_dir, device=str(device), verbose=False)
     reference.requires_grad_(False)
     critic = Critic.from_pretrained(model_dir, device) if cfg.estimator == "gae" else None
@@ -74,15 +76,17 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             disable_dropout(net)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr) if critic else None
-    engine = make_engine(cfg.engine, policy, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
+    sampler = {"policy": policy, "sft": reference}[cfg.sample_from]  # sft: DPO+'s offline samples
+    engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
+    # evaluation samples from the policy: with the engine when it samples the policy, else a native one per call
+    eval_engine = engine if sampler is policy else None
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
-    update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
-                              cfg.grad_clip, cfg.value_clip)
 
     state = {"iteration": 0, "wall_clock_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
-             "final_test_pass@1": None}
-    if resume:
-        state = runs.load_checkpoint(found, policy, optimizer, critic, critic_opt, device)
+             "final_test_pass@1": None, "best_val_iteration": None, "best_val_pass@1": None,
+             "test_at_best_val_pass@1": None}
+    if resume:  # a checkpoint from before validation existed lacks its keys
+        state.update(runs.load_checkpoint(found, policy, optimizer, critic, critic_opt, device))
     if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
         with _disk_errors(out):
             configs.save(cfg, out / "config.yaml")
@@ -92,26 +96,37 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state["iteration"] if resume else None, enabled=main)
 
-    def evaluate_now(iteration: int) -> float:
+    def evaluate_now(iteration: int) -> dict[str, float]:
+        """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now."""
         from vineppo.evaluate import evaluate
 
-        mine = test_set[dist.rank()::dist.world()]
-        result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
-                          top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                          engine=engine)
-        total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
-        return total / max(n, 1)
+        scores = {}
+        for key, examples in (("test/pass@1", test_set), ("val/pass@1", val_set)):
+            if not examples:
+                continue
+            mine = examples[dist.rank()::dist.world()]
+            result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples,
+                              temperature=cfg.eval_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                              seed=cfg.seed + iteration, token_budget=cfg.token_budget,
+                              engine=eval_engine)
+            total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
+            scores[key] = total / max(n, 1)
+        return scores
 
     bar = progress_bar(enabled=main)
     bar.start()
     job = bar.add_task(f"{cfg.algo} on {cfg.task}", total=cfg.iterations, completed=state["iteration"], status="")
     clock = time.perf_counter() - state["wall_clock_s"]
     watch = _SignalWatch(enabled=main)
-    if state["sft_test_pass@1"] is None and test_set:
+    if state["iteration"] == 0 and (test_set or val_set):
         bar.update(job, status="evaluating the SFT model")
-        state["sft_test_pass@1"] = state["best_test_pass@1"] = evaluate_now(0)
-        tracker.log(0, {"test/pass@1": state["sft_test_pass@1"]})
+        scores = evaluate_now(0)
+        state["sft_test_pass@1"] = scores.get("test/pass@1")
+        _record(state, 0, scores)
+        tracker.log(0, scores)
         clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
+    ctx = Context(cfg, policy, reference, optimizer, tokenizer, engine, params, task.grade, critic, critic_opt,
+                  status=lambda text: bar.update(job, status=text))
 
     for it in range(state["iteration"], cfg.iterations):
         # Every random choice of an iteration comes from (seed, iteration, rank): a resumed run, or one on
@@ -124,7 +139,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         # 1. Sample: this rank's share of the iteration's prompts, several responses each.
         t0 = time.perf_counter()
         bar.update(job, status="sampling")
-        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter)]
+        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
         mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
         prompt_ids = [encode_prompt(tokenizer, task.prompt(ex)) for _, ex in mine]
         outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
@@ -132,67 +147,42 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         # 2. Grade and cut into steps.
         episodes = [_episode(task, tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
                     for s in samples]
-        n_trunc = sum(ep.truncated for ep in episodes)
-        totals = dist.all_sum([float(len(episodes)), float(n_trunc), sum(ep.reward for ep in episodes),
-                               float(sum(len(ep.response_ids) for ep in episodes)), float(_mixed_prompts(episodes)),
-                               float(len(mine))])
+        sampled = episodes
+        if cfg.oversample > 1:
+            episodes = _informative(episodes, cfg.prompts_per_iter)
+        n_trunc = sum(ep.truncated for ep in sampled)
+        totals = dist.all_sum([float(len(sampled)), float(n_trunc), sum(ep.reward for ep in sampled),
+                               float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(sampled)),
+                               float(len(mine)), float(_mixed_prompts(episodes))])
         if totals[1] == totals[0]:
             raise UserError(f"iteration {it + 1}: all {int(totals[0])} responses hit max_new_tokens="
                             f"{cfg.max_new_tokens} (reward 0, nothing to learn); raise --max-new-tokens or check the "
                             f"model. Last good checkpoint: {runs.latest(out) or 'none yet'}")
         metrics.update({"train/reward": totals[2] / totals[0], "train/truncated": totals[1] / totals[0],
                         "train/response_tokens": totals[3] / totals[0], "episodes": totals[0],
-                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0)})
+                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0),
+                        "train/kept_mixed_prompts": totals[6] / cfg.prompts_per_iter})
         watch.update(metrics)
         t1 = time.perf_counter()
 
-        # 3. Credit assignment: per-token advantages from the configured estimator.
-        bar.update(job, status="credit assignment")
-        mc_engine = dist.BalancedContinuations(engine)
-        ctx = CreditContext(engine=mc_engine, tokenizer=tokenizer, grade=task.grade, critic=critic, params=params,
-                            generator=gen, mc_k=cfg.mc_k, mc_max_states=cfg.mc_max_states, gamma=cfg.gamma,
-                            lam=cfg.gae_lambda)
-        credit = estimator(episodes, ctx)
-        adv_mean, adv_std = mean_std(credit.advantages)
-        metrics.update({"advantage/mean": adv_mean, "advantage/std": adv_std})
-        metrics.update(_reduce_stats(credit.stats))
-        if mc_engine.states_run:
-            metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
-        advantages = whiten(credit.advantages) if cfg.whiten_advantages else credit.advantages
-        t2 = time.perf_counter()
-
-        # 4. PPO update (the same code for every algorithm).
-        bar.update(job, status="updating")
-        engine.sleep()  # vLLM on GPU frees its KV cache for the update
-        policy.train()
+        # 3. The algorithm's update on these episodes (vineppo.algorithms): credit + PPO, RestEM or DPO+.
         try:
-            stats = ppo_update(policy, reference, optimizer, [ep.prompt_ids for ep in episodes],
-                               [ep.response_ids for ep in episodes], advantages, update_cfg, tokenizer.pad_token_id,
-                               order_gen, critic, critic_opt, credit.returns, credit.values,
-                               ids=[ep.group * cfg.samples_per_prompt + j % cfg.samples_per_prompt
-                                    for j, ep in enumerate(episodes)])
+            metrics.update(algorithm(episodes, dataclasses.replace(ctx, generator=gen, order_generator=order_gen)))
         except FloatingPointError as e:
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                             f"checkpoint: {runs.latest(out) or 'none yet'}") from None
-        policy.eval()
-        engine.push_weights(policy)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
-        stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
-        tok = max(stats["tokens"], 1.0)
-        metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
-                        "entropy": stats["entropy"] / tok, "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
-        if critic is not None:
-            metrics["value_loss"] = stats["value_loss"] / tok
-        t3 = time.perf_counter()
-        metrics.update({"time/sampling_s": t1 - t0, "time/credit_s": t2 - t1, "time/update_s": t3 - t2})
+        engine.push_weights(sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
+        t2 = time.perf_counter()
+        metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
 
-        # 5. Evaluate, log, checkpoint.
+        # 4. Evaluate, log, checkpoint.
         done = it + 1
-        if test_set and (done == cfg.iterations or (cfg.eval_every and done % cfg.eval_every == 0)):
+        if (test_set or val_set) and (done == cfg.iterations or (cfg.eval_every and done % cfg.eval_every == 0)):
             bar.update(job, status="evaluating")
-            acc = evaluate_now(done)
-            metrics["test/pass@1"] = acc
-            state["final_test_pass@1"] = acc
-            state["best_test_pass@1"] = max(acc, state["best_test_pass@1"] or 0.0)
+            scores = evaluate_now(done)
+            metrics.update(scores)
+            state["final_test_pass@1"] = scores.get("test/pass@1")
+            _record(state, done, scores)
         state["iteration"] = done
         state["wall_clock_s"] = time.perf_counter() - clock
         metrics["time/wall_clock_s"] = state["wall_clock_s"]
@@ -210,6 +200,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     tracker.close()
     summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
     summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"]})
+    if val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
+        summary.update({k: state[k] for k in ("best_val_iteration", "best_val_pass@1", "test_at_best_val_pass@1")})
     if main:
         with _disk_errors(out):
             runs.write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -226,12 +218,31 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
                    sample.finish_reason != "stop")
 
 
-def _mixed_prompts(episodes: list[Episode]) -> int:
-    """Prompts whose responses differ in reward: a batch without any gives GRPO/RLOO no signal, and VinePPO rarely."""
+def _informative(episodes: list[Episode], keep: int) -> list[Episode]:
+    """The episodes of `keep` prompts over all ranks: prompts whose responses differ in reward first, then the
+    rest, each in draw order; kept prompts are numbered 0..keep-1 in that order, the same on every rank.
+
+    A prompt whose responses all agree gives GRPO and RLOO no signal and VinePPO little (its states are mostly
+    decided), so the expensive Monte Carlo and update go to the prompts that can teach something.
+    """
+    groups = _outcomes(episodes)
+    mixed = {g for part in dist.all_gather_objects(groups) for g, rewards in part.items() if len(rewards) > 1}
+    drawn = sorted({g for part in dist.all_gather_objects(list(groups)) for g in part})
+    chosen = sorted(drawn, key=lambda g: (g not in mixed, g))[:keep]
+    number = {g: k for k, g in enumerate(chosen)}
+    return [dataclasses.replace(ep, group=number[ep.group]) for ep in episodes if ep.group in number]
+
+
+def _outcomes(episodes: list[Episode]) -> dict[int, set[float]]:
     rewards: dict[int, set[float]] = {}
     for ep in episodes:
         rewards.setdefault(ep.group, set()).add(ep.reward)
-    return sum(len(r) > 1 for r in rewards.values())
+    return rewards
+
+
+def _mixed_prompts(episodes: list[Episode]) -> int:
+    """Prompts whose responses differ in reward: a batch without any gives GRPO/RLOO no signal, and VinePPO rarely."""
+    return sum(len(r) > 1 for r in _outcomes(episodes).values())
 
 
 class _SignalWatch:
@@ -253,32 +264,35 @@ class _SignalWatch:
                       highlight=False, markup=False, soft_wrap=True)
 
 
-def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
-    """Counts (mc/*) are summed over ranks; other statistics are averaged."""
-    keys = sorted(stats)
-    summed = dist.all_sum([stats[k] for k in keys])
-    return {k: v if k.startswith("mc/") else v / dist.world() for k, v in zip(keys, summed)}
+def _record(state: dict, iteration: int, scores: dict[str, float]) -> None:
+    """Keep the best test pass@1, and the iteration with the best validation pass@1 (the earliest on ties)."""
+    test, val = scores.get("test/pass@1"), scores.get("val/pass@1")
+    if test is not None:
+        state["best_test_pass@1"] = max(test, state["best_test_pass@1"] or 0.0)
+    if val is not None and (state["best_val_pass@1"] is None or val > state["best_val_pass@1"]):
+        state.update({"best_val_iteration": iteration, "best_val_pass@1": val, "test_at_best_val_pass@1": test})
 
 
-def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Example]]:
-    """The training set and the evaluated problems, read before any model loads (a bad file fails at once)."""
+def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Example], list[Example]]:
+    """The training set, the evaluated test problems and the validation problems, read before any model loads."""
     train_set = task.load("train", cfg.data, cfg.data_seed)
     if not train_set:
         raise UserError(f"task {cfg.task}: the training set is empty")
+    val_set = task.load("validation", cfg.data, cfg.data_seed)[: cfg.val_problems] if cfg.val_problems else []
     if not cfg.eval_problems:
-        return train_set, []
+        return train_set, [], val_set
     try:
         test_set = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)
     except UserError as e:  # the loaders name --data, the file flag of the other commands; here it is --eval-data
         raise UserError(str(e).replace("--data", "--eval-data")) from None
-    return train_set, test_set[: cfg.eval_problems]
+    return train_set, test_set[: cfg.eval_problems], val_set
 
 
 def _check_lengths(cfg: TrainConfig, task: Task, tokenizer, model, train_set: list[Example],
-                   test_set: list[Example]) -> None:
+                   test_set: list[Example], val_set: list[Example]) -> None:
     """Refuse, before any work, a prompt that with --max-new-tokens does not fit the model's context or one engine row."""
     ctx = context_length(model)
-    for split, examples in (("training", train_set), (cfg.eval_split, test_set)):
+    for split, examples in (("training", train_set), (cfg.eval_split, test_set), ("validation", val_set)):
         if not examples:
             continue
         lengths = [len(ids) for ids in tokenizer([task.prompt(ex) for ex in examples])["input_ids"]]

@@ -1,0 +1,310 @@
+"""Algorithms: what one iteration does with its graded samples, each a small function registered by name.
+
+    @register("name")
+    def algorithm(episodes: list[Episode], ctx: Context) -> dict[str, float]
+
+The trainer samples and grades the iteration's responses, calls the algorithm named by `--algo`, and
+logs the statistics it returns (already reduced over ranks). The PPO family (VinePPO, PPO, GRPO, RLOO)
+is one function: its credit estimator (vineppo.credit), then the PPO update. RestEM and DPO+ are the
+paper's two other baselines. Adding an algorithm is one registered function here plus its default
+settings in `config.ALGOS`; the trainer never branches on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vineppo import distributed as dist
+from vineppo.config import TrainConfig
+from vineppo.credit import CreditContext, Episode, get_estimator, groups
+from vineppo.engine import SamplingParams
+from vineppo.errors import UserError
+from vineppo.ppo import Batch, Critic, UpdateConfig, mean_std, pack, ppo_update, token_logprobs, whiten
+
+
+@dataclass
+class Context:
+    """What an algorithm may use: the models and optimisers, the sampling engine, the grader, the settings."""
+
+    cfg: TrainConfig
+    policy: nn.Module
+    reference: nn.Module  # the frozen SFT model: the KL and DPO+ reference, and RestEM's starting point
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    engine: Any  # rollout engine over the sampling model (VinePPO's Monte Carlo continuations)
+    params: SamplingParams  # sampling settings of the iteration's responses
+    grade: Callable[[str, str], float]
+    critic: Critic | None = None
+    critic_opt: torch.optim.Optimizer | None = None
+    generator: torch.Generator | None = None  # seeded by (seed, iteration, rank): sampling and data selection
+    order_generator: torch.Generator | None = None  # seeded by (seed, iteration): minibatch order, equal on all ranks
+    status: Callable[[str], None] = lambda text: None  # the progress bar's phase
+
+
+Algorithm = Callable[[list[Episode], Context], dict[str, float]]
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register(*names: str) -> Callable[[Algorithm], Algorithm]:
+    """Decorator: add an algorithm to the registry under each of `names`."""
+
+    def add(fn: Algorithm) -> Algorithm:
+        for name in names:
+            ALGORITHMS[name] = fn
+        return fn
+
+    return add
+
+
+def get_algorithm(cfg: TrainConfig) -> Algorithm:
+    """The algorithm `cfg.algo` names, its estimator checked too (so a bad name fails before any model loads)."""
+    if cfg.algo not in ALGORITHMS:
+        raise UserError(f"unknown algorithm {cfg.algo!r}; known: {', '.join(sorted(ALGORITHMS))}")
+    if cfg.estimator != "none":  # "none": the algorithm assigns no per-token credit
+        get_estimator(cfg.estimator)
+    return ALGORITHMS[cfg.algo]
+
+
+# ------------------------------------------------------------------------------------ the PPO family
+
+
+@register("vineppo", "ppo", "grpo", "rloo")
+def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
+    """Per-token advantages from the configured credit estimator, then the PPO update (the same for all four)."""
+    cfg = ctx.cfg
+    t0 = time.perf_counter()
+    ctx.status("credit assignment")
+    mc_engine = dist.BalancedContinuations(ctx.engine)
+    credit_ctx = CreditContext(engine=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade, critic=ctx.critic,
+                               params=ctx.params, generator=ctx.generator, mc_k=cfg.mc_k,
+                               mc_max_states=cfg.mc_max_states, gamma=cfg.gamma, lam=cfg.gae_lambda)
+    credit = get_estimator(cfg.estimator)(episodes, credit_ctx)
+    metrics = dict(zip(("advantage/mean", "advantage/std"), mean_std(credit.advantages)))
+    metrics.update(_reduce_stats(credit.stats))
+    if mc_engine.states_run:
+        metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
+    advantages = whiten(credit.advantages) if cfg.whiten_advantages else credit.advantages
+    metrics["time/credit_s"] = time.perf_counter() - t0
+
+    ctx.status("updating")
+    free_engine(ctx)
+    update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
+                              cfg.grad_clip, cfg.value_clip)
+    ctx.policy.train()
+    stats = ppo_update(ctx.policy, ctx.reference, ctx.optimizer, [ep.prompt_ids for ep in episodes],
+                       [ep.response_ids for ep in episodes], advantages, update_cfg, ctx.tokenizer.pad_token_id,
+                       ctx.order_generator, ctx.critic, ctx.critic_opt, credit.returns, credit.values,
+                       ids=_global_ids(episodes, cfg.samples_per_prompt))
+    ctx.policy.eval()
+    stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
+    tok = max(stats["tokens"], 1.0)
+    metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
+                    "entropy": stats["entropy"] / tok, "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
+    if ctx.critic is not None:
+        metrics["value_loss"] = stats["value_loss"] / tok
+    return metrics
+
+
+def free_engine(ctx: Context) -> None:
+    """Before an update: the engine frees what it holds that the update needs (vLLM on GPU: its KV cache)."""
+    if ctx.engine is not None:  # unit tests run updates without one
+        ctx.engine.sleep()
+
+
+def _global_ids(episodes: list[Episode], per_prompt: int) -> list[int]:
+    """Each episode's index in the iteration's whole batch over all ranks (its prompt's batch index x samples + j)."""
+    return [ep.group * per_prompt + j % per_prompt for j, ep in enumerate(episodes)]
+
+
+def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
+    """Counts (mc/*) are summed over ranks; other statistics are averaged."""
+    keys = sorted(stats)
+    summed = dist.all_sum([stats[k] for k in keys])
+    return {k: v if k.startswith("mc/") else v / dist.world() for k, v in zip(keys, summed)}
+
+
+# ------------------------------------------------------------------------------------ shared by RestEM and DPO+
+
+
+def sequence_logprobs(model: nn.Module, prompts: list[list[int]], responses: list[list[int]],
+                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the responses at temperature 1 (plain likelihood), and their mask: [B, L-1] each."""
+    b = pack(prompts, responses, pad_id)
+    device = next(model.parameters()).device
+    b = Batch(b.input_ids.to(device), b.attention_mask.to(device), b.mask.to(device), b.advantages, b.returns)
+    logp, _ = token_logprobs(model, b, 1.0)
+    return logp, b.mask
+
+
+Loss = Callable[[list[int], float], tuple[torch.Tensor, dict[str, float]]]
+
+
+def minibatch_steps(ctx: Context, ids: list[int], weights: list[float], loss_fn: Loss) -> dict[str, float]:
+    """`epochs` passes of AdamW steps over this rank's items; returns the summed statistics.
+
+    `ids` are the items' ids, unique over all ranks; each minibatch is a slice of one permutation of
+    every rank's ids (`minibatch` items), each rank working on its own members. `loss_fn(indices, total)`
+    returns the loss of a micro-batch of local items, already divided by `total`, the minibatch's
+    weight (e.g. tokens) over all ranks; gradients are summed across ranks, as in `ppo_update`, so N
+    processes take the step one would.
+    """
+    cfg = ctx.cfg
+    free_engine(ctx)
+    everyone = sorted(g for part in dist.all_gather_objects(ids) for g in part)
+    local = {g: i for i, g in enumerate(ids)}
+    totals = {"steps": 0.0, "grad_norm": 0.0}
+    ctx.policy.train()
+    for _ in range(cfg.epochs):
+        order = [everyone[k] for k in torch.randperm(len(everyone), generator=ctx.order_generator).tolist()]
+        for start in range(0, len(order), cfg.minibatch):
+            mb = [local[g] for g in order[start:start + cfg.minibatch] if g in local]
+            total = dist.all_sum([sum(weights[i] for i in mb)])[0]
+            ctx.optimizer.zero_grad(set_to_none=True)
+            for m in range(0, len(mb), cfg.micro_batch):
+                loss, stats = loss_fn(mb[m:m + cfg.micro_batch], total)
+                loss.backward()
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+            dist.sum_gradients(ctx.policy)
+            norm = float(torch.nn.utils.clip_grad_norm_(ctx.policy.parameters(), cfg.grad_clip))
+            if not math.isfinite(norm):  # a NaN/inf loss shows here, identically on every rank
+                raise FloatingPointError(f"the loss or its gradient is not finite (grad norm {norm}); "
+                                         "the optimiser step was skipped")
+            totals["grad_norm"] += norm
+            ctx.optimizer.step()
+            totals["steps"] += 1
+    ctx.policy.eval()
+    return totals
+
+
+# ------------------------------------------------------------------------------------ RestEM
+
+
+def keep_correct(episodes: list[Episode], cap: int) -> list[int]:
+    """Indices of the correct episodes, at most `cap` per question (the first sampled), in order."""
+    count: dict[tuple[int, ...], int] = {}
+    kept = []
+    for i, ep in enumerate(episodes):
+        key = tuple(ep.prompt_ids)  # per question, even when a prompt was drawn twice in the iteration
+        if ep.reward > 0 and count.get(key, 0) < cap:
+            count[key] = count.get(key, 0) + 1
+            kept.append(i)
+    return kept
+
+
+def restart_from_sft(ctx: Context) -> None:
+    """Put the SFT weights (the frozen reference's) back into the policy and forget the optimiser's moments."""
+    with torch.no_grad():
+        for p, q in zip(ctx.policy.parameters(), ctx.reference.parameters(), strict=True):
+            p.copy_(q)
+    ctx.optimizer.state.clear()
+
+
+@register("restem")
+def restem(episodes: list[Episode], ctx: Context) -> dict[str, float]:
+    """RestEM (expert iteration; Singh et al. 2023): keep the round's correct samples, restart from the SFT model,
+    and fine-tune on them with plain likelihood (mean over their tokens) for `epochs` passes at `lr`."""
+    cfg = ctx.cfg
+    ctx.status("fine-tuning from the SFT model")
+    kept = keep_correct(episodes, cfg.restem_keep)
+    ids = _global_ids(episodes, cfg.samples_per_prompt)
+    pad = ctx.tokenizer.pad_token_id
+    restart_from_sft(ctx)
+
+    def nll(idx: list[int], total: float) -> tuple[torch.Tensor, dict[str, float]]:
+        eps = [episodes[kept[i]] for i in idx]
+        logp, mask = sequence_logprobs(ctx.policy, [e.prompt_ids for e in eps], [e.response_ids for e in eps], pad)
+        loss = -(logp * mask).sum() / total
+        return loss, {"loss": float(loss.detach()) * total, "tokens": float(mask.sum())}
+
+    totals = minibatch_steps(ctx, [ids[i] for i in kept], [float(len(episodes[i].response_ids)) for i in kept], nll)
+    questions = len({tuple(episodes[i].prompt_ids) for i in kept})
+    n_kept, n_questions, loss, tokens, norm, steps = dist.all_sum(
+        [float(len(kept)), float(questions), totals.get("loss", 0.0), totals.get("tokens", 0.0),
+         totals["grad_norm"], totals["steps"]])
+    return {"restem/kept": n_kept, "restem/questions": n_questions, "loss": loss / max(tokens, 1.0),
+            "grad_norm": norm / max(steps, 1.0)}
+
+
+# ------------------------------------------------------------------------------------ DPO+ (DPO-Positive)
+
+
+def dpo_positive_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                      ref_rejected: torch.Tensor, beta: float, lam: float) -> torch.Tensor:
+    """Per-pair DPO-Positive loss from sequence log-probs (summed over response tokens).
+
+    Pal et al. 2024, "Smaug: Fixing Failure Modes of Preference Optimisation with DPO-Positive"
+    (arXiv 2402.13228), Eq. 3: the penalty sits inside the sigmoid and is scaled by beta with the rest,
+        -log sigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected) - lam * max(0, ref_chosen - chosen)));
+    with lam = 0, or while the chosen response is at least as likely as under the reference, it is DPO.
+    """
+    margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+    penalty = (ref_chosen - chosen).clamp(min=0)
+    return -F.logsigmoid(beta * (margin - lam * penalty))
+
+
+def preference_pairs(episodes: list[Episode], per_prompt: int, generator: torch.Generator) -> list[tuple[int, int]]:
+    """Up to `per_prompt` (correct, incorrect) episode-index pairs per prompt, drawn without replacement from all
+    such pairs of its responses (truncated responses count as incorrect); prompts with no such pair give none."""
+    pairs = []
+    for members in groups(episodes).values():
+        every = [(c, r) for c in members if episodes[c].reward > 0 for r in members if episodes[r].reward <= 0]
+        picked = torch.randperm(len(every), generator=generator, device=generator.device)[:per_prompt]
+        pairs += [every[k] for k in sorted(picked.tolist())]
+    return pairs
+
+
+@register("dpo-positive")
+def dpo_positive(episodes: list[Episode], ctx: Context) -> dict[str, float]:
+    """DPO+ (DPO-Positive): pairs of a correct and an incorrect response to one prompt, the DPO-Positive loss
+    (mean over pairs) against the frozen SFT reference, `epochs` passes; the policy continues from round to round.
+    `minibatch` and `micro_batch` count pairs (two sequences each)."""
+    cfg = ctx.cfg
+    ctx.status("scoring pairs")
+    pairs = preference_pairs(episodes, cfg.dpo_pairs, ctx.generator)
+    pad = ctx.tokenizer.pad_token_id
+    used = sorted({i for pair in pairs for i in pair})
+    ref = {}
+    with torch.no_grad():  # the reference's sequence log-probs, once per iteration
+        for m in range(0, len(used), cfg.micro_batch):
+            part = used[m:m + cfg.micro_batch]
+            logp, mask = sequence_logprobs(ctx.reference, [episodes[i].prompt_ids for i in part],
+                                           [episodes[i].response_ids for i in part], pad)
+            ref.update(zip(part, (logp * mask).sum(-1)))
+
+    def loss_fn(idx: list[int], total: float) -> tuple[torch.Tensor, dict[str, float]]:
+        rows = [pairs[i] for i in idx]
+        both = [c for c, _ in rows] + [r for _, r in rows]
+        logp, mask = sequence_logprobs(ctx.policy, [episodes[i].prompt_ids for i in both],
+                                       [episodes[i].response_ids for i in both], pad)
+        seq = (logp * mask).sum(-1)
+        n = len(rows)
+        chosen, rejected = seq[:n], seq[n:]
+        ref_c = torch.stack([ref[c] for c, _ in rows])
+        ref_r = torch.stack([ref[r] for _, r in rows])
+        losses = dpo_positive_loss(chosen, rejected, ref_c, ref_r, cfg.dpo_beta, cfg.dpo_lambda)
+        with torch.no_grad():
+            margin = (chosen - ref_c) - (rejected - ref_r)
+            stats = {"loss": float(losses.sum()), "pairs": float(n), "margin": float(margin.sum()),
+                     "accuracy": float((margin > 0).float().sum()), "chosen": float((chosen - ref_c).sum()),
+                     "penalty": float((ref_c - chosen).clamp(min=0).sum())}
+        return losses.sum() / total, stats
+
+    ctx.status("updating")
+    ids = _global_ids(episodes, cfg.samples_per_prompt)
+    pair_ids = [ids[c] * cfg.samples_per_prompt + ids[r] % cfg.samples_per_prompt for c, r in pairs]
+    totals = minibatch_steps(ctx, pair_ids, [1.0] * len(pairs), loss_fn)
+    keys = ("loss", "pairs", "margin", "accuracy", "chosen", "penalty")
+    summed = dict(zip(keys, dist.all_sum([totals.get(k, 0.0) for k in keys])))
+    seen = max(summed["pairs"], 1.0)  # pair evaluations over all epochs
+    n_pairs, norm, steps = dist.all_sum([float(len(pairs)), totals["grad_norm"], totals["steps"]])
+    return {"dpo/pairs": n_pairs, "loss": summed["loss"] / seen, "dpo/margin": summed["margin"] / seen,
+            "dpo/accuracy": summed["accuracy"] / seen, "dpo/chosen_logratio": summed["chosen"] / seen,
+            "dpo/penalty": summed["penalty"] / seen, "grad_norm": norm / max(steps, 1.0)}
