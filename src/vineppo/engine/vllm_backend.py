@@ -47,6 +47,7 @@ from vineppo.errors import UserError
 from vineppo.models import context_length
 
 CPU_BLOCK = 32  # the CPU backend's KV block size must be a multiple of 32 (and only full blocks are shared)
+CPU_PREFILL_TOKENS = 4096  # prompt tokens vLLM-CPU prefills per step (its default); at least max_model_len
 SEED_RANGE = 2**62  # request seeds are drawn in [0, SEED_RANGE); vLLM adds the sample index to each
 
 
@@ -94,7 +95,10 @@ class VLLMEngine:
                     max_model_len=min(context_length(model), blocks * CPU_BLOCK), enable_sleep_mode=self.can_sleep)
         if self.on_cpu:
             _check_cpu_head_size(model)
-            args.update(block_size=CPU_BLOCK, enforce_eager=True)  # eager: no compile time for short jobs
+            # eager: no compile time for short jobs. Whole prefills: vLLM-CPU 0.32 fails ("CPU Generator does not
+            # use offset") when a seeded request's prompt is split over steps, as it rewinds that request's generator
+            args.update(block_size=CPU_BLOCK, enforce_eager=True, enable_chunked_prefill=False,
+                        max_num_batched_tokens=max(args["max_model_len"], CPU_PREFILL_TOKENS))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: this rank's engine on this rank's device
             args.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         return args
