@@ -1,7 +1,7 @@
 """Benchmark of the rollout engine on the Monte Carlo workload of one VinePPO iteration (small scale).
 
-    python benchmarks/rollouts.py [--json] [--model DIR|FILE.gguf|HUB_ID] [--naive-fraction 0.2] [--threads N]
-                                  [--repeats 3] [--prompts 64] [--max-new-tokens N]
+    python benchmarks/rollouts.py [--json] [--model DIR|FILE.gguf|HUB_ID] [--engine native|vllm]
+                                  [--naive-fraction 0.2] [--threads N] [--repeats 3] [--prompts 64] [--max-new-tokens N]
 
 Workload: 64 prompts (`--prompts`), one response each (T=0.6, top-p 0.9), every step boundary of every
 response (the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
@@ -10,6 +10,10 @@ recorded one, else chat when the tokenizer has a chat template, else plain), and
 
 Reports
 - native: the engine's throughput (generated tokens/s) on the whole continuation workload (median of --repeats);
+- vllm (with ``--engine vllm``): the vLLM backend on the same workload (the same responses, sampled by the native
+  engine, the same boundaries and K), after the native runs; vLLM is built once, warmed up with one short
+  request, and its prefix cache is emptied before every timed run, as the native engine starts every job from
+  nothing; vllm_over_native = vllm / native;
 - naive: Hugging Face ``model.generate(do_sample=True, num_return_sequences=K)`` over left-padded batches
   of prefixes, every prefix re-encoded (a fraction of the prefixes, for time; tokens up to EOS count);
 - limit: bare batched decode steps of the same model at the engine's mean batch size, attending on average to
@@ -27,16 +31,19 @@ tokens (a random model never emits EOS, so every continuation runs to the length
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
 import random
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
 
-from vineppo.engine import Engine, SamplingParams
+from vineppo.engine import ENGINES, Engine, SamplingParams, make_engine
 from vineppo.models import seeded_generator
 
 K = 9
@@ -127,6 +134,25 @@ class _NullTok:
         return ["" for _ in ids]
 
 
+def run_vllm(eng, seqs, bounds, params, seed=0):
+    """The vLLM backend on the workload, from an empty prefix cache (the engine is built once, outside)."""
+    eng.llm.reset_prefix_cache()
+    g = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    out = eng.continuations(seqs, bounds, K, params, generator=g)
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
+    max_num_seqs = eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs  # vLLM's cap on its decode batch
+    return n_tok / dt, dict(seconds=dt, tokens=n_tok, max_num_seqs=max_num_seqs)
+
+
+def start_vllm(model, tok, folder, seqs, params):
+    """The vLLM backend on ``folder``, warmed up by one short request (outside the timing)."""
+    eng = make_engine("vllm", model, tok, model_dir=folder)
+    eng.generate([seqs[0][:8]], 1, dataclasses.replace(params, max_new_tokens=4))
+    return eng
+
+
 def run_native(model, tok, seqs, bounds, params, seed=0):
     eng = Engine(model, tok or _NullTok())
     rows = []
@@ -184,7 +210,7 @@ def run_limit(model, rows, ctx_len, steps=30, buffered=True, repeats=3):
 def _limit_once(model, rows, ctx_len, steps, buffered):
     from transformers import DynamicCache
 
-    from vineppo.engine import _new_cache
+    from vineppo.engine.batch import new_cache
 
     sig = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     V = model.get_output_embeddings().weight.shape[0]
@@ -195,7 +221,7 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
         cache = DynamicCache()
         model(input_ids=torch.randint(2, V, (rows, start), device=dev), use_cache=True, **{sig: cache})
         if buffered:
-            cache = _new_cache([(layer.keys, layer.values) for layer in cache.layers], steps + 8)
+            cache = new_cache([(layer.keys, layer.values) for layer in cache.layers], steps + 8)
         nxt = torch.randint(2, V, (rows, 1), device=dev)
         for _ in range(warm):
             nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
@@ -206,21 +232,39 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
     return rows * steps / dt
 
 
-def main(argv=None):
+def _arguments(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", help="a model folder, .gguf file or hub id (default: tiny random Llama)")
     ap.add_argument("--prompts", type=int, default=N_PROMPTS, help="responses in the workload (fewer: a quicker run)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="response / continuation length cap (default: 256 with --model, 60 without)")
+    ap.add_argument("--engine", choices=ENGINES, default="native",
+                    help="vllm: also run the vLLM backend on the same workload (the vllm column; needs vLLM)")
     ap.add_argument("--naive-fraction", type=float, default=0.2, help="share of prefixes the naive baseline runs")
     ap.add_argument("--naive-batch", type=int, default=32, help="prefixes per naive generate() call (x K rows)")
     ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (default: the machine's cores; use fewer when others share the machine)")
-    args = ap.parse_args(argv)
-    threads = _threads(args.threads)
+    return ap.parse_args(argv)
 
+
+def _vllm_column(args, model, tok, seqs, bounds, params) -> dict:
+    """The vLLM backend's runs on the workload (--repeats of them, median reported)."""
+    with tempfile.TemporaryDirectory() as scratch:  # vLLM loads a model from a folder: the random one goes here
+        if not args.model:
+            model.save_pretrained(scratch)
+        eng = start_vllm(model, tok, args.model or scratch, seqs, params)
+        runs = [run_vllm(eng, seqs, bounds, params) for _ in range(args.repeats)]
+    speeds = [r[0] for r in runs]
+    info = runs[-1][1]
+    return {"vllm_tokens_per_s": statistics.median(speeds), "vllm_runs_tokens_per_s": speeds,
+            "vllm_tokens": info["tokens"], "vllm_seconds": info["seconds"], "vllm_max_num_seqs": info["max_num_seqs"]}
+
+
+def main(argv=None):
+    args = _arguments(argv)
+    threads = _threads(args.threads)
     if args.model:
         model, tok, seqs, bounds, params, note = model_setup(args.model, n_prompts=args.prompts,
                                                              max_new=args.max_new_tokens or 256)
@@ -265,21 +309,33 @@ def main(argv=None):
         "limit_context": ctx,
         "random_model_never_emits_eos": bool(note),
     }
+    if args.engine == "vllm":
+        res.update(_vllm_column(args, model, tok, seqs, bounds, params))
+        res["vllm_over_native"] = res["vllm_tokens_per_s"] / native
     if args.json:
         print(json.dumps(res))
         return
-    print(f"model: {res['model']}  threads: {threads}")
+    _print(res, args, seqs, params, ninfo, vinfo, note)
+
+
+def _print(res, args, seqs, params, ninfo, vinfo, note):
+    print(f"model: {res['model']}  threads: {res['threads']}")
     if note:
         print("random model: it never emits EOS, so every continuation runs to max_new_tokens")
-    print(f"workload: {len(seqs)} responses, {n_bounds} boundaries, K={K} -> {ninfo['continuations']} continuations, "
-          f"{ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
+    print(f"workload: {len(seqs)} responses, {res['boundaries']} boundaries, K={K} -> {ninfo['continuations']} "
+          f"continuations, {ninfo['tokens']} generated tokens (T={params.temperature}, top-p={params.top_p}, "
           f"max_new_tokens={params.max_new_tokens})")
-    print(f"native engine : {native:9.0f} tokens/s  (median of {args.repeats}; {ninfo['seconds']:.1f} s, "
-          f"{ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows)")
-    print(f"naive HF      : {naive:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, {vinfo['seconds']:.1f} s)")
-    print(f"decode limit  : {limit:9.0f} tokens/s  ({rows} rows, cache ~{ctx} tokens, in-place KV buffer; median of "
-          f"{args.repeats})")
-    print(f"  (same loop with HF's concatenating DynamicCache: {limit_hf:.0f} tokens/s)")
+    print(f"native engine : {res['native_tokens_per_s']:9.0f} tokens/s  (median of {args.repeats}; "
+          f"{ninfo['seconds']:.1f} s, {ninfo['decode_steps']} decode steps, mean batch {ninfo['mean_rows']:.0f} rows)")
+    if "vllm_tokens_per_s" in res:
+        print(f"vLLM engine   : {res['vllm_tokens_per_s']:9.0f} tokens/s  (median of {args.repeats}; "
+              f"{res['vllm_seconds']:.1f} s, {res['vllm_tokens']} tokens; {res['vllm_over_native']:.2f}x native)")
+    print(f"naive HF      : {res['naive_tokens_per_s']:9.0f} tokens/s  ({vinfo['prefixes']} prefixes x {K}, "
+          f"{vinfo['seconds']:.1f} s)")
+    print(f"decode limit  : {res['limit_tokens_per_s']:9.0f} tokens/s  ({res['limit_rows']} rows, cache "
+          f"~{res['limit_context']} tokens, in-place KV buffer; median of {args.repeats})")
+    print(f"  (same loop with HF's concatenating DynamicCache: {res['limit_hf_dynamic_cache_tokens_per_s']:.0f} "
+          f"tokens/s)")
     print(f"speedup {res['speedup']:.2f}x, fraction of limit {res['fraction_of_limit']:.2f}")
 
 

@@ -1,6 +1,8 @@
 """Tests of the rollout engine on tiny random models (nothing is downloaded)."""
 
 import copy
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,11 @@ CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 \n+-=:.,?!ABCDEFGHIJKLMNOPQRS
 
 @pytest.fixture(scope="module")
 def tok():
+    return char_tokenizer()
+
+
+def char_tokenizer():
+    """One token per character of CHARS, plus <pad> 0, <eos> 1, <unk> 2."""
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
     for c in CHARS:
         vocab[c] = len(vocab)
@@ -411,3 +418,66 @@ def test_continuations_honour_per_row_budgets(llama, tok):
         Engine(llama, tok).continuations(seqs[:1], bounds[:1], 1, params, budgets=[[0, 5]])
     with pytest.raises(ValueError, match="budgets"):
         Engine(llama, tok).continuations(seqs[:1], bounds[:1], 1, params, budgets=[[13, 5]])
+
+
+# ------------------------------------------------------------------ recorded samples (the same seed, the same samples)
+
+EXPECTED = Path(__file__).with_name("engine_expected.json")
+
+
+def recorded_workload(tok) -> dict:
+    """Samples of a fixed-seed workload that goes through every path of the engine: sampling by full softmax, by
+    top-p through the top-k and through the full sort, greedy; stop strings; several EOS ids; per-row budgets;
+    rows refilled in place and batches rebuilt under a small token budget. Recorded in engine_expected.json from
+    the engine as it was before it became a package (a8de7a5); a change that alters any sample fails the test."""
+    flat = lambda out: [[s.token_ids, s.finish_reason, [round(x, 4) for x in s.logprobs]] for s in out]  # noqa: E731
+    llama, peaked = _make("llama", len(tok)), _make("llama", len(tok), seed=1)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(8.0)
+    peaked.generation_config.eos_token_id = [1, 40, 52]  # a few frequent tokens end rows early
+    prompts = _prompts([5, 17, 2, 11, 9], seed=3)
+    res = {}
+    jobs = {"full": (llama, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12)),
+            "sort": (llama, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)),
+            "topk": (peaked, SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12)),
+            "stop": (llama, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, stop=("e", "7x"))),
+            "greedy": (peaked, SamplingParams(temperature=0, max_new_tokens=12))}
+    for name, (m, params) in jobs.items():
+        out = Engine(m, tok, token_budget=90).generate(prompts, 3, params, generator=torch.Generator().manual_seed(7))
+        res[name] = [flat(r) for r in out]
+    seqs = [p + s[0][0] for p, s in zip(prompts, res["sort"])]
+    bounds = [sorted({len(p), len(p) + 3, len(q) - 1} & set(range(1, len(q) + 1))) for p, q in zip(prompts, seqs)]
+    budgets = [[10, 4, 7][: len(b)] for b in bounds]
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=10, stop=("q",))
+    for name, m, budget in (("mc", peaked, 1 << 20), ("mc_small", peaked, 60), ("mc_llama", llama, 70)):
+        out = Engine(m, tok, token_budget=budget).continuations(seqs, bounds, 3, params, budgets=budgets,
+                                                               generator=torch.Generator().manual_seed(11))
+        res[name] = [[flat(x) for x in r] for r in out]
+    return res
+
+
+def test_same_seed_same_samples_as_recorded(tok):
+    got = recorded_workload(tok)
+    want = json.loads(EXPECTED.read_text())
+    assert got.keys() == want.keys()
+    for name in want:
+        a, b = _strip(got[name]), _strip(want[name])
+        assert a == b, f"{name}: the samples differ from the recorded ones"
+        assert np.allclose(_logprobs(got[name]), _logprobs(want[name]), atol=2e-4), name
+    # the workload exercises what it claims: early stops by EOS and stop strings, length cuts, short budgets
+    reasons = {r for name in want for s in _samples(want[name]) for r in [s[1]]}
+    assert reasons == {"stop", "length"}
+    assert any(len(s[0]) == 4 for s in _samples(want["mc_small"]))
+
+
+def _samples(tree):
+    """The [token_ids, finish_reason, logprobs] leaves of nested lists, in order."""
+    return [tree] if len(tree) == 3 and isinstance(tree[1], str) else [s for t in tree for s in _samples(t)]
+
+
+def _strip(tree):
+    return [(s[0], s[1]) for s in _samples(tree)]
+
+
+def _logprobs(tree):
+    return [x for s in _samples(tree) for x in s[2]]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from vineppo import cli
 from vineppo import config as configs
 from vineppo import parallel
 from vineppo.ppo import UpdateConfig, pack, ppo_update, token_logprobs
@@ -169,3 +170,11 @@ def test_lora_without_peft_is_a_one_line_error(monkeypatch, capsys, tmp_path):
         cli.main(["train", "--lora-r", "8", "--model", "/no/such/model", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vineppo train: error: --lora-r: needs peft (pip install 'vineppo[lo")
+
+
+@pytest.mark.parametrize("flag", [["--lora-r", "8"], ["--fsdp", "true"]])
+def test_vllm_engine_with_lora_or_fsdp_is_a_one_line_error(capsys, tmp_path, flag):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--engine", "vllm", *flag, "--model", str(tmp_path / "none"), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert "--engine vllm with --lora-r or --fsdp is not supported" in err and "\n" not in err

@@ -99,6 +99,7 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     metrics["time/credit_s"] = time.perf_counter() - t0
 
     ctx.status("updating")
+    free_engine(ctx)
     update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
                               cfg.grad_clip, cfg.value_clip, cfg.dtype)
     for net in (ctx.policy, ctx.critic):  # gradient checkpointing acts in training mode only
@@ -118,6 +119,12 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     if ctx.critic is not None:
         metrics["value_loss"] = stats["value_loss"] / tok
     return metrics
+
+
+def free_engine(ctx: Context) -> None:
+    """Before an update: the engine frees what it holds that the update needs (vLLM on GPU: its KV cache)."""
+    if ctx.engine is not None:  # unit tests run updates without one
+        ctx.engine.sleep()
 
 
 def _global_ids(episodes: list[Episode], per_prompt: int) -> list[int]:
@@ -165,6 +172,7 @@ def minibatch_steps(ctx: Context, ids: list[int], weights: list[float], loss_fn:
     same number of micro-batches (empty ones where it has run out), as those wrappers need.
     """
     cfg = ctx.cfg
+    free_engine(ctx)
     everyone = sorted(g for part in dist.all_gather_objects(ids) for g in part)
     local = {g: i for i, g in enumerate(ids)}
     totals = {"steps": 0.0, "grad_norm": 0.0}

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from vineppo import config as configs
-from vineppo.engine import SamplingParams
+from vineppo.engine import ENGINES, SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
 from vineppo.prompts import HELP, Prompter
@@ -359,6 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=1024, help="response / continuation length cap")
     p.add_argument("--token-budget", type=int, default=65536, help="engine: max rows x tokens in one decode batch")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--engine", default="native", help=f"rollout backend: {' or '.join(ENGINES)} (default native)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for values.json and values.png (default: runs/values-<time>)")
     p.add_argument("--json", action="store_true", help="print the MAE / ranking summary as one JSON object")
@@ -368,7 +369,6 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `vineppo analyze-values`."""
     from rich.console import Console
 
-    from vineppo.engine import Engine
     from vineppo.models import load_model, pick_device
     from vineppo.tasks import get_task
     from vineppo.tracking import console as err_console
@@ -377,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
     configs.check_flags(vars(args), dict(states=configs.AT_LEAST_1, gt_k=configs.AT_LEAST_1,
                                          ranking_states=configs.AT_LEAST_0, max_new_tokens=configs.AT_LEAST_1))
     ranking_states = args.ranking_states if args.ranking_states is not None else math.ceil(args.states / 5)
+    check_engine(args.engine)
     if ranking_states and args.alternatives < 2:
         raise UserError("--alternatives must be >= 2 to rank steps (or pass --ranking-states 0)")
     if args.token_budget <= args.max_new_tokens:
@@ -395,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
     model, tokenizer = load_model(model_dir, device=str(device))
     prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
-    engine = Engine(model, tokenizer, token_budget=args.token_budget)
+    engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
     critic_fn = critic_state_values(critic, tokenizer.pad_token_id) if critic is not None else None
 
     bar = progress_bar()

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import yaml
 
+from vineppo.engine.api import ENGINES
 from vineppo.errors import UserError
 from vineppo.prompts import FORMAT
 
@@ -87,7 +88,8 @@ class TrainConfig:
     eval_temperature: float = 0.35  # evaluation sampling temperature
     save_every: int = 10  # iterations between checkpoints (always one at the end)
     keep_checkpoints: int = 2  # checkpoints kept on disk
-    token_budget: int = 65536  # engine: max rows x tokens in one decode batch
+    token_budget: int = 65536  # engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds)
+    engine: str = "native"  # rollout backend: native | vllm (vLLM, its own copy of the weights; extra vineppo[vllm])
     fsdp: bool = False  # under torchrun, shard policy, reference and critic over the ranks (FSDP2, per decoder layer)
     dtype: str = "float32"  # float32 | bfloat16: bf16 autocast; trained weights and AdamW state stay float32
     # (frozen weights, the reference and LoRA's base, are held in bf16)
@@ -111,6 +113,7 @@ TOP_P: Rule = (lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 RULES: dict[str, Rule] = {
     "algo": (lambda v: v in ALGOS, f"must be one of {', '.join(ALGOS)}"),
+    "engine": (lambda v: v in ENGINES, f"must be one of {', '.join(ENGINES)}"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "must be auto, cpu, cuda or cuda:N"),
     "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1, "oversample": AT_LEAST_1,
     "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),
@@ -147,6 +150,10 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("lora_r", lambda c: not (c.lora_r and c.sample_from == "sft"),
      lambda c: f"LoRA with sample_from sft ({c.algo}'s default) is not supported: the SFT model is the policy "
                f"with its adapters off, which the engine cannot sample from; pass --sample-from policy or drop --lora-r"),
+    # vLLM reloads plain checkpoint-format weights by name: adapters and shards would need merging/gathering first
+    ("engine", lambda c: c.engine != "vllm" or not (c.lora_r or c.fsdp),
+     lambda c: "--engine vllm with --lora-r or --fsdp is not supported yet (vLLM reloads whole weights by name, not "
+               "adapters or shards); use the native engine for those"),
 ]
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 
 from vineppo import config as configs
+from vineppo.engine.api import ENGINES, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length, load_model, seeded_generator
@@ -35,7 +36,7 @@ _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 _FINAL = re.compile(r"^\s*####\s*(.*?)\s*$")
 # Flag rules, checked before any model or data loads.
 RULES = dict(samples=configs.AT_LEAST_0, temperature=configs.NON_NEGATIVE, top_p=configs.TOP_P,
-             limit=configs.AT_LEAST_1, max_new_tokens=configs.AT_LEAST_1)
+             limit=configs.AT_LEAST_1, max_new_tokens=configs.AT_LEAST_1, token_budget=configs.AT_LEAST_1)
 
 
 def _parse(line: str) -> tuple[int, str, int, int] | None:
@@ -81,8 +82,10 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
 
 def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
              top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
-             token_budget: int = 65536, prompter: Prompter | None = None) -> dict:
-    """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples` (seeded)."""
+             token_budget: int = 65536, prompter: Prompter | None = None, engine=None) -> dict:
+    """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples` (seeded).
+
+    `engine` samples (a vineppo.engine backend for `model`); without it, a native engine of `token_budget`."""
     from vineppo.engine import Engine, SamplingParams
 
     if not examples:
@@ -96,7 +99,7 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
         if len(p) >= ctx:
             raise UserError(f"prompt of problem {ex.id!r} is {len(p)} tokens; the model's context is {ctx}")
     max_new_tokens = min(max_new_tokens, ctx - max(len(p) for p in prompts))
-    engine = Engine(model, tokenizer, token_budget=token_budget)
+    engine = engine or Engine(model, tokenizer, token_budget=token_budget)
     was_training = model.training
     model.eval()
     sampled = [[] for _ in prompts]
@@ -171,6 +174,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--engine", default="native", help=f"rollout backend: {' or '.join(ENGINES)} (default native)")
+    p.add_argument("--token-budget", type=int, default=65536,
+                   help="engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds)")
     p.add_argument("--out", default=None, help="per-problem JSONL (default: <model>/eval-<task>-<split>.jsonl, or "
                                                 "runs/<model name>/... when the model is not a saved folder)")
     p.add_argument("--errors", action="store_true", help="print where wrong responses first go wrong")
@@ -183,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
     configs.check_flags(vars(args), RULES)
     check_format(args.prompt_format or "auto")
+    check_engine(args.engine)
     task = get_task(args.task)
     examples = task.load(args.split, args.data, args.seed)[: args.limit]
     if not examples:
@@ -194,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     make_folder(out.parent, f"--out {out}")
     model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
     prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
+    engine = make_engine(args.engine, model, tokenizer, model_dir=name, token_budget=args.token_budget)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -208,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         res = evaluate(model, tokenizer, task, examples, samples=args.samples, temperature=args.temperature,
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick,
-                       prompter=prompter)
+                       prompter=prompter, engine=engine)
         res["tokens_per_s"] = res["tokens"] / (time.perf_counter() - start)  # generated tokens, sampled and greedy
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
     summary = {k: v for k, v in res.items() if k != "results"}

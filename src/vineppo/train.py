@@ -27,7 +27,7 @@ from vineppo import runs
 from vineppo.algorithms import Context, get_algorithm
 from vineppo.config import TrainConfig
 from vineppo.credit import Episode
-from vineppo.engine import Engine, SamplingParams
+from vineppo.engine import SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length
@@ -44,6 +44,7 @@ NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcom
 def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
     """Run (or resume) RL training as configured; returns the run summary."""
     cfg = configs.validate(cfg)  # callers of this function may build a TrainConfig by hand
+    check_engine(cfg.engine)  # a missing vLLM fails before anything loads
     device = dist.init(cfg.device)
     out = Path(resume) if resume else _run_dir(cfg)
     with runs.locked(out, create=not resume, enabled=dist.is_main()):  # one run per folder, for its whole life
@@ -76,7 +77,9 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     models = build_models(cfg, policy, device)
     trained, policy, critic = models.trained, models.trained.policy, models.trained.critic
     sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]  # sft: DPO+'s offline samples
-    engine = Engine(sampler, tokenizer, token_budget=cfg.token_budget)
+    engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
+    # evaluation samples from the policy: with the engine when it samples the policy, else a native one per call
+    eval_engine = engine if sampler is policy else None
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
 
     state = {"iteration": 0, "wall_clock_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
@@ -109,7 +112,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
                 result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples,
                                   temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                   max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                                  token_budget=cfg.token_budget, prompter=prompter)
+                                  token_budget=cfg.token_budget, prompter=prompter, engine=eval_engine)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
         return scores
@@ -175,6 +178,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         except FloatingPointError as e:
             raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                             f"checkpoint: {runs.latest(out) or 'none yet'}") from None
+        engine.push_weights(sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
         t2 = time.perf_counter()
         metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
 

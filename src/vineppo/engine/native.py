@@ -1,0 +1,189 @@
+"""The native backend: batched sampling with KV-cache reuse, on any Hugging Face causal LM, in this process.
+
+HOW IT WORKS (one job per file)
+
+1. Plan (``plan.py``). Source sequences are sorted by length and cut into prefill groups within
+   ``token_budget`` (rows x length); each (sequence, boundary) becomes units of copies to sample.
+2. Prefill (``Engine._prefill``). One forward pass over a group (left-padded, explicit ``attention_mask`` and
+   true ``position_ids``, each sequence up to its last boundary) gives the KV cache for all its boundaries,
+   and its logits at position ``b - 1`` give the first-token distribution after boundary ``b``. Only those
+   logits are materialised (``logits_to_keep`` with a tensor of positions).
+3. Admit (``schedule.py``). Units, shortest prefix first, join the running decode batch (``batch.py``) as soon
+   as rows finish (continuous batching): their prefixes' keys/values are copied out of the group cache,
+   right-aligned, once per copy, and never re-encoded. New rows take finished rows' places in place; the
+   batch is rebuilt (each kept row copied once) only to grow, to shed finished rows no new row takes, to stay
+   within the budget as the cache lengthens, or when a new prefix does not fit left of the write column.
+4. Decode (``Engine._job``). Each step feeds one token per row through the model with a ``DynamicCache``
+   whose layers write new keys/values in place into a preallocated buffer (the stock layer concatenates,
+   copying the whole cache every step). Finished rows (EOS, stop string, length; ``stops.py``) are masked
+   out at once, and padding columns on the left are dropped by moving the cache view.
+5. Sample (``sampling.py``). Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p``
+   of the mass (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
+
+DETERMINISM. All randomness comes from ``generator`` (``torch.multinomial``). On CPU, the same inputs,
+parameters, budget and seed give the same samples. The batch composition depends on the inputs and on
+``token_budget``: a different budget (or a different job around a prompt) changes which rows share a
+batch and how much left padding they get; this does not change the distribution, but it changes which
+random numbers a given row draws, and (on GPU especially, where kernels depend on shapes) the float sums
+can differ in the last bits, which can flip near-ties. On CUDA, results are reproducible only up to
+such non-deterministic kernels. If ``generator`` lives on another device than the model, the
+probabilities are moved to the generator's device for sampling.
+
+LIMITS. The cache handling assumes full-attention layers stored as ``DynamicLayer`` (Llama, Qwen2 without
+sliding window, GPT-2, Mistral without sliding window, ...). Models whose cache has sliding-window,
+linear-attention or otherwise special layers raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from vineppo.engine import schedule
+from vineppo.engine.api import (Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
+                                eos_token_ids)
+from vineppo.engine.batch import Batch, Group, layers_kv
+from vineppo.engine.plan import Plan, Unit, plan_job
+from vineppo.engine.sampling import sample
+from vineppo.engine.stops import Finisher, candidate_table
+
+EXTRA_COLUMNS = 64  # a cache buffer has room for this many steps (at most max_new_tokens + 1) before it is regrown
+
+
+class Engine:
+    """The native rollout engine (see the module docstring); samples from ``model`` itself, so weights are never stale."""
+
+    def __init__(self, model, tokenizer, token_budget: int = 65536):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.token_budget = int(token_budget)
+        sig = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in sig else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in sig
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self._cand_tables: dict[tuple[tuple[str, ...], int], torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 generator: torch.Generator | None = None, progress: Progress | None = None) -> list[list[Sample]]:
+        """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples."""
+        check_prompts(prompts)
+        out = self._run([list(p) for p in prompts], [[len(p)] for p in prompts], n, params, generator, progress)
+        return [r[0] for r in out]
+
+    def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
+                      generator: torch.Generator | None = None, progress: Progress | None = None,
+                      budgets: list[list[int]] | None = None) -> list[list[list[Sample]]]:
+        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens."""
+        budgets = check_continuations(sequences, boundaries, params, budgets)
+        return self._run([list(s) for s in sequences], [list(b) for b in boundaries], k, params, generator, progress,
+                         budgets)
+
+    def sleep(self) -> None:
+        """Nothing to free: the engine holds no memory between jobs."""
+
+    def push_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to push: the engine samples from the model it was given, whose weights the update changes."""
+
+    # ------------------------------------------------------------------ the job
+
+    def _run(self, seqs, bounds, k, params, generator, progress, budgets=None):
+        check_job(k, params)
+        out = [[[None] * k for _ in bs] for bs in bounds]
+        budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in bounds]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                self._job(seqs, bounds, budgets, k, params, generator, progress, out)
+        finally:
+            if was_training:
+                self.model.train()
+        return out
+
+    def _job(self, seqs, bounds, budgets, k, params, generator, progress, out):
+        """The decode loop: admit units as rows finish, step every row once, finish the rows that ended."""
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        max_new, budget = params.max_new_tokens, self.token_budget
+        plan = plan_job(bounds, k, budget, max_new, vocab)
+        cand = candidate_table(self.tokenizer, params.stop, vocab, self._cand_tables)
+        finisher = Finisher(self.tokenizer, params.stop, torch.tensor(self.eos_token_ids or [-1], device=self.device),
+                            None if cand is None else cand.to(self.device), out, progress)
+        batch = Batch(self.device, max_new, extra=min(max_new + 1, EXTRA_COLUMNS), budgets=budgets)
+        groups: dict[int, Group] = {}
+        while True:
+            admitted = schedule.admit(plan.queue, batch, budget, max_new)
+            if admitted:
+                self._admit(admitted, plan, groups, seqs, bounds, batch, params, generator, finisher)
+            elif schedule.should_shed(batch):
+                batch.rebuild([], groups, None, None)
+            if batch.N == 0:
+                if plan.queue:
+                    continue
+                break
+            logits = self._forward(batch)
+            tok, lp = sample(logits, params, generator)
+            batch.step(tok, lp)
+            finisher.check(batch, tok)
+
+    def _admit(self, units: list[Unit], plan: Plan, groups: dict[int, Group], seqs, bounds, batch: Batch,
+               params: SamplingParams, generator, finisher: Finisher) -> None:
+        """Prefill the units' groups (each once), sample their first tokens, and bring them into the batch."""
+        for u in units:
+            if u.group not in groups:
+                groups[u.group] = self._prefill(plan.groups[u.group], seqs, bounds)
+        logits = torch.cat([groups[u.group].first_logits(u) for u in units])
+        tok0, lp0 = sample(logits, params, generator)  # first tokens come from the prefill logits
+        live = batch.N - len(batch.dead)
+        if schedule.fits_in_place(batch, units, self.token_budget, params.max_new_tokens):
+            rows = batch.fill(units, groups, tok0, lp0)
+        else:
+            batch.rebuild(units, groups, tok0, lp0)
+            rows = torch.arange(live, batch.N, device=self.device)  # kept rows first, then the new ones
+        for u in units:
+            plan.unadmitted[u.group] -= 1
+            if plan.unadmitted[u.group] == 0:  # every unit of the group is in the batch: free its prefill cache
+                del groups[u.group]
+        finisher.check(batch, tok0, rows)  # the new rows' first tokens may already finish them
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """One decode step: every row's pending token through the model; the next-token logits [N, V]."""
+        N = batch.N
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(N, 1)], dim=1)
+        return self.model(input_ids=batch.pending.view(N, 1), attention_mask=batch.mask,
+                          position_ids=batch.pos.view(N, 1), use_cache=True,
+                          **{self._cache_kw: batch.cache}).logits[:, -1, :]
+
+    def _prefill(self, members, seqs, bounds) -> Group:
+        """One forward over each member sequence (up to its last boundary); logits only at boundaries."""
+        dev = self.device
+        lens = [bounds[i][-1] for i in members]
+        P = max(lens)
+        R = len(members)
+        ids = torch.zeros(R, P, dtype=torch.long)
+        am = torch.zeros(R, P, dtype=torch.long)
+        for r, i in enumerate(members):
+            n = lens[r]
+            ids[r, P - n :] = torch.tensor(seqs[i][:n], dtype=torch.long)
+            am[r, P - n :] = 1
+        ids, am = ids.to(dev), am.to(dev)
+        position_ids = (am.cumsum(-1) - 1).masked_fill(am == 0, 0)
+        # padded positions whose logits are needed
+        need = sorted({P - lens[r] + b - 1 for r, i in enumerate(members) for b in bounds[i]})
+        col = {p: c for c, p in enumerate(need)}
+        kwargs = {}
+        if self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = torch.tensor(need, device=dev)
+        res = self.model(input_ids=ids, attention_mask=am, position_ids=position_ids, use_cache=True, **kwargs)
+        logits = res.logits
+        if not self._has_logits_to_keep:
+            logits = logits[:, need]
+        cache = getattr(res, "cache", None) or getattr(res, "past_key_values", None)
+        kv = layers_kv(cache)
+        pads = [P - n for n in lens]
+        colmap = {(r, b): col[P - lens[r] + b - 1] for r, i in enumerate(members) for b in bounds[i]}
+        return Group(kv, pads, logits, colmap)
