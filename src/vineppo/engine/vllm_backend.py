@@ -55,6 +55,7 @@ def import_vllm():
     """The vllm module, set for in-process use; a one-line UserError when the extra is missing."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the engine runs where it is called
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our commands draw their own progress
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries --json output
     try:
         import vllm  # optional dependency: the extra vineppo[vllm]
     except ImportError:
