@@ -200,7 +200,6 @@ def test_two_vineppo_iterations_with_vllm(sft_h32, tmp_path, monkeypatch):
 
 
 @real_vllm
-@real_vllm
 def test_train_cli_with_vllm_prints_only_its_json_and_exits_cleanly(sft_h32, tmp_path):
     # vLLM logs to stdout by default, and ending its process group for it made the exit print a traceback
     argv = [sys.executable, "-m", "vineppo", "train", "--engine", "vllm", "--model", str(sft_h32), "--iterations", "1",
@@ -212,6 +211,7 @@ def test_train_cli_with_vllm_prints_only_its_json_and_exits_cleanly(sft_h32, tmp
     assert "Traceback" not in done.stderr
 
 
+@real_vllm
 @pytest.mark.parametrize("algo, pushes", [("restem", [1]), ("dpo-positive", [0])])
 def test_restem_and_dpo_positive_sample_with_vllm(algo, pushes, sft_h32, tmp_path, monkeypatch):
     """RestEM's restart from the SFT weights is pushed after its round; DPO+ samples from the frozen SFT model

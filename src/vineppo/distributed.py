@@ -12,7 +12,7 @@ import torch.distributed as tdist
 
 from vineppo.models import pick_device
 
-_joined = False  # True once init() joined a group: shutdown() leaves only that one (vLLM in-process makes its own)
+_joined = None  # the group init() joined: shutdown() ends only that one (vLLM in this process makes its own)
 
 
 def init(device: str = "auto") -> torch.device:
@@ -26,7 +26,7 @@ def init(device: str = "auto") -> torch.device:
             torch.cuda.set_device(dev)
         tdist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         global _joined
-        _joined = True
+        _joined = tdist.group.WORLD
     return dev
 
 
@@ -90,9 +90,9 @@ def barrier() -> None:
 def shutdown() -> None:
     """Leave the process group init() joined; a group someone else made (vLLM's, in this process) is theirs to end."""
     global _joined
-    if _joined and tdist.is_available() and tdist.is_initialized():
+    if _joined is not None and tdist.is_available() and tdist.is_initialized() and tdist.group.WORLD is _joined:
         tdist.destroy_process_group()
-    _joined = False
+    _joined = None
 
 
 class BalancedContinuations:
