@@ -21,7 +21,6 @@ Reports (medians over --repeats, each repeat on the same sampled responses)
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import importlib.util
 import json
@@ -36,11 +35,11 @@ import torch
 
 from vineppo import algorithms, config as configs
 from vineppo.engine import Engine, SamplingParams
-from vineppo.models import disable_dropout, load_model, seeded_generator
+from vineppo.models import load_model, seeded_generator
 from vineppo.ppo import pack, token_logprobs
 from vineppo.prompts import Prompter
 from vineppo.tasks import get_task
-from vineppo.train import _episode
+from vineppo.train import _episode, build_models
 
 PRESET = dict(algo="grpo", estimator="grpo", prompts_per_iter=16, samples_per_prompt=8, temperature=0.6,
               top_p=0.9, max_new_tokens=160, epochs=2, minibatch=64, micro_batch=32, lr=3e-5, kl_coef=1e-4)
@@ -52,13 +51,11 @@ def setup(model_dir: str, seed: int = 0):
     cfg = dataclasses.replace(configs.TrainConfig(), model=model_dir, seed=seed, **PRESET)
     task = get_task("arith")
     policy, tok = load_model(model_dir, device="cpu", verbose=False)
-    disable_dropout(policy)
-    reference = copy.deepcopy(policy).requires_grad_(False)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    models = build_models(cfg, policy, torch.device("cpu"))  # the set-up `vineppo train` makes
     prompter = Prompter(task, tok, cfg.prompt_format, model=model_dir)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
-    ctx = algorithms.Context(cfg, policy, reference, opt, tok, Engine(policy, tok, cfg.token_budget), params,
-                             task.grade)
+    ctx = algorithms.Context(cfg, models.trainee, models.reference, models.trained.optimizer, tok,
+                             Engine(models.trained.policy, tok, cfg.token_budget), params, task.grade)
     return cfg, task, prompter, ctx
 
 
