@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from vineppo.analysis import analyze, group_baselines, mae, mc_estimates, pairwise_ranking_accuracy
+from vineppo.analysis import (adaptive_estimate, analyze, group_baselines, mae, mc_estimates,
+                              pairwise_ranking_accuracy)
 from vineppo.engine import Sample
 from vineppo.errors import UserError
 from vineppo.tasks import Example, get_task
@@ -125,6 +126,26 @@ def test_analyze_on_fake_engine_hand_computed():
     assert len(seen) == 16 + 10 and sum(n.terminal is not None for n in seen) == 2
 
 
+def test_compute_axis_on_fake_engine_hand_computed():
+    res = analyze(FakeEngine(), CharTokenizer(), get_task("arith"), _examples(5), states=16, gt_k=8, ranking_states=2,
+                  alternatives=5, seed=0, max_new_tokens=32)
+    axis = {r["method"]: r for r in res["compute"]}
+    # every continuation is '#### 4' or '#### 5' plus EOS: 7 tokens
+    assert [axis[m]["tokens_per_state"] for m in ("vineppo_k1", "vineppo_k3", "vineppo_k9")] == [7, 21, 63]
+    assert axis["vineppo_k9"]["mae"] == pytest.approx(res["mae"]["vineppo_k9"])
+    assert axis["vineppo_k3"]["ranking_accuracy"] == pytest.approx(res["ranking_accuracy"]["vineppo_k3"])
+    # the K = 9 slice is 1,0,0,0,1,0,0,0,1 at every state: no adaptive rule settles early, so each equals K = 9
+    for name in ("adaptive_agree2", "adaptive_agree3", "adaptive_ci0.25"):
+        assert axis[name]["continuations_per_state"] == 9 and axis[name]["mae"] == pytest.approx(1 / 12)
+
+
+def test_adaptive_estimate_replays_rounds():
+    tokens = list(range(1, 10))
+    assert adaptive_estimate([1.0, 1.0, 1.0, 0, 0, 0, 0, 0, 0], tokens, 9, 3, "agree") == (1.0, 3, 6)
+    assert adaptive_estimate([1.0, 0.0, 1.0, 0, 0, 0, 0, 0, 0], tokens, 9, 3, "agree") == (2 / 9, 9, 45)
+    assert adaptive_estimate([0.0] * 9, tokens, 9, 2, "ci:0.25") == (0.0, 4, 10)  # half-width at 4: 0.245
+
+
 def test_analyze_without_critic_reports_none():
     res = analyze(FakeEngine(), CharTokenizer(), get_task("arith"), _examples(3), states=5, gt_k=8,
                   ranking_states=1, alternatives=5, seed=1, max_new_tokens=32)
@@ -156,7 +177,8 @@ def test_cli_smoke_on_tiny_model(tmp_path, capsys):
               "--device", "cpu", "--out", str(out), "--json"])
     assert e.value.code == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(printed) == {"mae", "ranking_accuracy", "states"} and printed["states"] == 3
+    assert set(printed) == {"mae", "ranking_accuracy", "states", "compute"} and printed["states"] == 3
+    assert (out / "values_compute.png").stat().st_size > 0
     assert printed["mae"]["ppo_critic"] is not None
     assert (out / "values.png").stat().st_size > 0
     assert json.loads((out / "values.json").read_text())["settings"]["gt_k"] == 2

@@ -245,4 +245,4 @@ def test_step_join_with_sentencepiece_tokenizer():
     credit = get_estimator("vine")([ep], ctx)
     assert credit.advantages[0].tolist() == [0.0] * len(response)  # every state replays the response: V = its reward
     node = Node(prompt + response, len(prompt) + 4, len(prompt), "1000")
-    assert rollout_rewards(ReplayEngine(tok), tok, grade_gsm8k, [node], 2, PARAMS, None) == [[reward, reward]]
+    assert rollout_rewards(ReplayEngine(tok), tok, grade_gsm8k, [node], 2, PARAMS, None)[0] == [[reward, reward]]

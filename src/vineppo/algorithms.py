@@ -88,7 +88,8 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     critic = parallel.unwrap(ctx.critic) if ctx.critic is not None else None
     credit_ctx = CreditContext(engine=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade, critic=critic,
                                params=ctx.params, generator=ctx.generator, mc_k=cfg.mc_k,
-                               mc_max_states=cfg.mc_max_states, gamma=cfg.gamma, lam=cfg.gae_lambda)
+                               mc_max_states=cfg.mc_max_states, mc_k_min=cfg.mc_k_min,
+                               mc_rule=cfg.mc_rule, mc_states=cfg.mc_states, gamma=cfg.gamma, lam=cfg.gae_lambda)
     with ctx.sampling():
         credit = get_estimator(cfg.estimator)(episodes, credit_ctx)
     metrics = dict(zip(("advantage/mean", "advantage/std"), mean_std(credit.advantages)))

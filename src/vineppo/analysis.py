@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from vineppo import config as configs
+from vineppo.credit import next_round
 from vineppo.engine import ENGINES, SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
@@ -94,6 +95,47 @@ def mc_estimates(rewards: list[float], gt_k: int) -> dict[str, float]:
         out[name] = sum(rewards[start:start + k]) / k
         start += k
     return out
+
+
+# Adaptive K replayed on the K = 9 slice (so each setting is paired with fixed K = 9 on the same outcomes):
+# (name, k_min, rule); K = 9 is the maximum for all.
+ADAPTIVE = (("adaptive_agree2", 2, "agree"), ("adaptive_agree3", 3, "agree"), ("adaptive_ci0.25", 2, "ci:0.25"))
+K_MAX = 9
+
+
+def compute_costs(rewards: list[float], tokens: list[int], gt_k: int, est: dict) -> dict[str, tuple[int, int]]:
+    """Continuations and tokens each K setting spends on one state; adds the adaptive estimates to `est`."""
+    live = any(tokens)  # a terminal state (its reward known) costs no continuation in any setting
+    spent, start = {}, gt_k
+    for name, k in K_SLICES:
+        spent[name] = (k * live, sum(tokens[start:start + k]))
+        start += k
+    nine = slice(start - K_MAX, start)  # the K = 9 slice
+    for name, k_min, rule in ADAPTIVE:
+        est[name], n, t = adaptive_estimate(rewards[nine], tokens[nine], K_MAX, k_min, rule)
+        spent[name] = (n * live, t)
+    return spent
+
+
+def compute_axis(est: list[dict], spent: list[dict], alt_est: list[dict], alt_sizes: list[int]) -> list[dict]:
+    """Per K setting (fixed 1, 3, 9 and adaptive): MAE, step-ranking accuracy and Monte Carlo cost on the states."""
+    rows = []
+    for name, k_min, rule in [(n, k, "fixed") for n, k in K_SLICES] + list(ADAPTIVE):
+        right = counted = 0
+        at = 0
+        for size in alt_sizes:
+            group = alt_est[at:at + size]
+            at += size
+            r, c, _ = pairwise_ranking_accuracy([e[name] for e in group], [e["true"] for e in group])
+            right, counted = right + r, counted + c
+        n_cont = sum(s[name][0] for s in spent)
+        n_tok = sum(s[name][1] for s in spent)
+        rows.append({"method": name, "k_min": k_min, "k_max": K_MAX if rule != "fixed" else k_min, "rule": rule,
+                     "mae": mae([e[name] for e in est], [e["true"] for e in est]),
+                     "ranking_accuracy": right / counted if counted else None,
+                     "continuations_per_state": n_cont / max(len(est), 1), "mc_tokens": n_tok,
+                     "tokens_per_state": n_tok / max(len(est), 1)})
+    return rows
 
 
 def group_baselines(group_rewards: list[float], member: int) -> dict[str, float]:
@@ -171,17 +213,31 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
 
 def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes: list[Node], k: int,
                     params: SamplingParams, generator: torch.Generator,
-                    progress: Callable[[int], None] | None = None) -> list[list[float]]:
-    """k continuation rewards per state from ONE batched engine job; a terminal state gets its reward k times."""
+                    progress: Callable[[int], None] | None = None) -> tuple[list[list[float]], list[list[int]]]:
+    """k continuation rewards and token counts per state from ONE batched engine job; a terminal state gets its
+    reward k times, at no token cost."""
     live = [i for i, n in enumerate(nodes) if n.terminal is None]
     conts = engine.continuations([nodes[i].seq for i in live], [[nodes[i].boundary] for i in live], k, params,
                                  generator, progress,
                                  budgets=[[nodes[i].room(params.max_new_tokens)] for i in live]) if live else []
     out = [[n.terminal] * k if n.terminal is not None else None for n in nodes]
+    tokens = [[0] * k for _ in nodes]
     for i, (samples,) in zip(live, conts):
         prefix = nodes[i].seq[nodes[i].prompt_len:nodes[i].boundary]
         out[i] = [continuation_reward(grade, tokenizer, prefix, s, nodes[i].answer) for s in samples]
-    return out
+        tokens[i] = [len(s.token_ids) for s in samples]
+    return out, tokens
+
+
+def adaptive_estimate(rewards: list[float], tokens: list[int], k_max: int, k_min: int, rule: str) -> tuple[float, int, int]:
+    """(estimate, continuations, tokens) of adaptive K replayed on a sequence of i.i.d. outcomes, round by round.
+
+    Drawing the outcomes first and consuming them in order is distributed exactly as sampling round by round.
+    """
+    n = min(k_min, k_max)
+    while (extra := next_round(rewards[:n], k_max, k_min, rule)) > 0:
+        n += extra
+    return sum(rewards[:n]) / n, n, sum(tokens[:n])
 
 
 # ------------------------------------------------------------------------------------ the analysis
@@ -206,10 +262,11 @@ def analyze(engine, tokenizer, task, examples: list, states: int = 64, gt_k: int
     k = gt_k + EXTRA_K
     total = k * sum(n.terminal is None for n in nodes)
     t1 = time.perf_counter()
-    rewards = rollout_rewards(engine, tokenizer, task.grade, nodes, k, params, gen,
-                              (lambda done: progress(done, total)) if progress else None)
+    rewards, tokens = rollout_rewards(engine, tokenizer, task.grade, nodes, k, params, gen,
+                                      (lambda done: progress(done, total)) if progress else None)
     t2 = time.perf_counter()
     est = [mc_estimates(r, gt_k) for r in rewards]
+    spent = [compute_costs(r, t, gt_k, e) for r, t, e in zip(rewards, tokens, est)]  # adds adaptive estimates to e
     critic = critic_values(nodes) if critic_values else [None] * len(nodes)
     for i, n in enumerate(nodes):
         # A terminal state's value is its reward, for the critic as for PPO's advantage r + V(s') = r.
@@ -244,7 +301,8 @@ def analyze(engine, tokenizer, task, examples: list, states: int = 64, gt_k: int
                 counted, excluded = counted + c, excluded + x
     ranking = {m: (right[m] / counted if counted else None) if (m != "ppo_critic" or critic_values) else None
                for m in METHODS}
-    return {"mae": maes, "ranking_accuracy": ranking, "states": len(rows),
+    compute = compute_axis(est[:len(picked)], spent[:len(picked)], est[len(picked):], [len(g) for g in alts])
+    return {"mae": maes, "ranking_accuracy": ranking, "states": len(rows), "compute": compute,
             "ranking": {"states": len(ranked), "alternatives": sum(len(g) for g in alts),
                         "pairs": counted, "pairs_excluded_true_tie": excluded},
             "settings": {"gt_k": gt_k, "alternatives": alternatives, "seed": seed, "temperature": TEMPERATURE,
@@ -310,6 +368,41 @@ def print_table(result: dict, console) -> None:
                   f"predicted tie counts as wrong.")
     if result["mae"]["ppo_critic"] is None:
         console.print("PPO critic: not evaluated (no --critic RUN_DIR given).")
+    table = Table(title="compute axis: VinePPO's Monte Carlo, fixed K and adaptive K (max 9), on the same states")
+    for col in ("setting", "MAE", "step ranking", "continuations / state", "MC tokens / state"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for r in result["compute"]:
+        table.add_row(compute_label(r), f"{r['mae']:.4f}", "n/a" if r["ranking_accuracy"] is None else
+                      f"{r['ranking_accuracy']:.1%}", f"{r['continuations_per_state']:.2f}", f"{r['tokens_per_state']:.0f}")
+    console.print(table)
+
+
+def compute_label(row: dict) -> str:
+    """'K=9' or 'adaptive agree, k_min 3' for a row of the compute axis."""
+    if row["rule"] == "fixed":
+        return f"K={row['k_min']}"
+    return f"adaptive {row['rule']}, k_min {row['k_min']}, K {row['k_max']}"
+
+
+def plot_compute(result: dict, path: Path) -> None:
+    """Value error (MAE against the ground truth) against Monte Carlo tokens per state, one point per K setting."""
+    import matplotlib  # optional dependency, only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for r in result["compute"]:
+        fixed = r["rule"] == "fixed"
+        ax.scatter(r["tokens_per_state"], r["mae"], marker="o" if fixed else "^", color="C0" if fixed else "C1")
+        ax.annotate(compute_label(r), (r["tokens_per_state"], r["mae"]), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.set_xlabel("Monte Carlo tokens per state")
+    ax.set_ylabel(f"MAE vs {result['settings']['gt_k']}-rollout truth")
+    ax.set_title(f"value error per Monte Carlo token ({result['states']} states)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -411,11 +504,12 @@ def run(args: argparse.Namespace) -> int:
 
     (out / "values.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "values.png")
+    plot_compute(result, out / "values_compute.png")
     print_table(result, err_console if args.json else Console())
     tm = result["timing"]
     err_console.print(f"{tm['continuations']} continuations in {tm['monte_carlo_s']:.1f}s ({tm['seconds_per_state']:.2f}s "
                       f"per state of {args.gt_k + EXTRA_K} rollouts); wrote {out / 'values.json'}, {out / 'values.png'}")
     if args.json:
-        print(json.dumps({k: result[k] for k in ("mae", "ranking_accuracy", "states")}))
+        print(json.dumps({k: result[k] for k in ("mae", "ranking_accuracy", "states", "compute")}))
     return 0
 

@@ -61,6 +61,9 @@ class TrainConfig:
     max_new_tokens: int = 1024  # response length cap; a truncated response gets reward 0
     mc_k: int = 9  # VinePPO: continuations per state
     mc_max_states: int = 25  # VinePPO: estimated states per response; later ones take V = the reward
+    mc_k_min: int = 0  # VinePPO adaptive K: continuations in a state's first round (0: always mc_k, the paper's)
+    mc_rule: str = "agree"  # adaptive K: a state is settled when its (>= mc_k_min) outcomes all agree, or ci:W (95% Wilson half-width <= W)
+    mc_states: str = "all"  # VinePPO states: all step starts | every:N steps | tokens:N apart | budget:B per response
     gamma: float = 1.0  # discount
     gae_lambda: float = 0.0  # GAE lambda (0 for VinePPO, 1 for PPO)
     epochs: int = 2  # passes over the iteration's episodes
@@ -118,6 +121,11 @@ RULES: dict[str, Rule] = {
     "iterations": AT_LEAST_1, "prompts_per_iter": AT_LEAST_1, "samples_per_prompt": AT_LEAST_1, "oversample": AT_LEAST_1,
     "temperature": (POSITIVE[0], "must be > 0 and finite (the update divides the logits by it)"),
     "top_p": TOP_P, "max_new_tokens": AT_LEAST_1, "mc_k": AT_LEAST_1, "mc_max_states": AT_LEAST_1,
+    "mc_k_min": AT_LEAST_0,
+    "mc_rule": (lambda v: v == "agree" or (re.fullmatch(r"ci:\d*\.?\d+", v) is not None and 0 < float(v[3:]) <= 0.5),
+                "must be agree or ci:W with 0 < W <= 0.5"),
+    "mc_states": (lambda v: re.fullmatch(r"all|(every|tokens|budget):[1-9]\d*", v) is not None,
+                  "must be all, every:N, tokens:N or budget:B (N, B >= 1)"),
     "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
     "micro_batch": AT_LEAST_1, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,

@@ -9,6 +9,7 @@ critic, the value targets). Adding a method is adding an entry here; the trainer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,6 +55,9 @@ class CreditContext:
     generator: torch.Generator | None = None
     mc_k: int = 9  # continuations per state
     mc_max_states: int = 25  # states estimated per response; later states take V = the response's reward
+    mc_k_min: int = 0  # adaptive K: first round per state (0, or >= mc_k: a fixed mc_k per state)
+    mc_rule: str = "agree"  # adaptive K: when a state is settled (`settled`)
+    mc_states: str = "all"  # which step starts are states (`state_offsets`)
     gamma: float = 1.0
     lam: float = 1.0  # GAE lambda for critic-based estimators
     progress: Callable[[int], None] | None = None
@@ -137,22 +141,92 @@ def gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: float) -
     return adv
 
 
+# ------------------------------------------------------------------------------------ VinePPO
+
+
+def settled(wins: list[float], rule: str, k_min: int) -> bool:
+    """True when a state's outcomes so far fix its value: `agree` (all k_min+ equal) or `ci:W` (Wilson half-width <= W)."""
+    if len(wins) < k_min:
+        return False
+    if rule == "agree":
+        return min(wins) == max(wins)
+    return wilson_half_width(sum(wins) / len(wins), len(wins)) <= float(rule.split(":", 1)[1])
+
+
+def wilson_half_width(p: float, n: int, z: float = 1.96) -> float:
+    """Half the width of the 95% Wilson interval of a Bernoulli mean p from n outcomes (finite at p = 0 or 1)."""
+    return z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+
+
+def next_round(wins: list[float], k_max: int, k_min: int, rule: str) -> int:
+    """Continuations to add to a state: 0 once settled or at k_max; else the rest at once (agree) or k_min more (ci)."""
+    n = len(wins)
+    if n >= k_max or settled(wins, rule, k_min):
+        return 0
+    if n < k_min:
+        return k_min - n
+    # Outcomes that disagree can never all agree again: under `agree` a state that is not settled needs all of K.
+    return k_max - n if rule == "agree" else min(k_min, k_max - n)
+
+
+def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str) -> list[int]:
+    """Response offsets whose values are estimated (`--mc-states`): all | every:N | tokens:N | budget:B."""
+    starts = sorted({s for s, _ in steps if s < n_tokens})
+    kind, _, arg = mode.partition(":")
+    if kind == "all" or not starts:
+        return starts
+    n = int(arg)
+    if kind == "every":
+        return starts[::n]
+    if kind == "budget":
+        # B states, each the step start nearest the point that would cut the response into B equal segments
+        chosen = [starts[0]]
+        for b in range(1, n):
+            later = [s for s in starts if s > chosen[-1]]
+            if later:
+                chosen.append(min(later, key=lambda s: abs(s - starts[0] - b * (n_tokens - starts[0]) / n)))
+        return sorted(set(chosen))
+    # tokens:N: a step start at least N tokens after the previous state; where no step starts for 2N tokens
+    # (a long step), a state every N tokens inside it, so no segment grows without bound
+    chosen = [starts[0]]
+    for s in starts[1:] + [n_tokens]:
+        while s - chosen[-1] >= 2 * n:
+            chosen.append(chosen[-1] + n)
+        if s - chosen[-1] >= n and s < n_tokens:
+            chosen.append(s)
+    return chosen
+
+
+def segment_advantages(n_tokens: int, offsets: list[int], values: list[float], reward: float,
+                       gamma: float = 1.0) -> torch.Tensor:
+    """Per-token advantages: the tokens from one estimated state to the next share that segment's advantage."""
+    adv = torch.zeros(n_tokens)
+    ends = offsets[1:] + [n_tokens]
+    for s, e, a in zip(offsets, ends, step_advantages(values, reward, gamma)):
+        adv[s:e] = a
+    return adv
+
+
 @register("vine")
 def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
-    """VinePPO: V(s_t) = mean reward of K continuations from each step boundary; A_t = r_t + V(s_{t+1}) - V(s_t).
+    """VinePPO: V(s) = mean reward of K continuations from each state; A = r + V(s_next) - V(s) per segment.
 
-    A state is a position in the response: steps that start at the same token (empty steps) share one state,
-    estimated once. A continuation from response offset b may add max_new_tokens - b tokens, the room the
-    response itself had left, and is graded by the same rule (cut off: 0). The response's end is no state to
-    sample from: a step starting there (an empty last step), like a state past the cap, takes V = the reward.
+    The states are the step starts (or the subset `ctx.mc_states` picks), at most mc_max_states per response;
+    the tokens between two states share one advantage. A state is a position in the response: steps that start
+    at the same token (empty steps) share one state, estimated once. A continuation from response offset b may
+    add max_new_tokens - b tokens, the room the response itself had left, and is graded by the same rule (cut
+    off: 0). States past the cap take V = the reward. With ctx.mc_k_min < mc_k, continuations come in rounds
+    and a state stops once `settled` (ctx.mc_rule); its unused continuations are never drawn.
     """
     # A state is a token prefix: the prompt is shared by all responses to it, and responses often share their
     # first steps, so each distinct prefix is estimated once (its first holder runs it) and its value shared.
     sequences, boundaries, budgets, owners, positions = [], [], [], [], []
     first: dict[tuple, tuple[int, int]] = {}  # state key -> (episode, response offset) of the one that runs it
     keys: list[dict[int, tuple]] = []  # per episode: response offset -> state key
+    cuts: list[list[int]] = []  # per episode: the offsets where its segments start
     for i, ep in enumerate(episodes):
-        own = sorted({s for s, _ in ep.steps if s < len(ep.response_ids)})[: ctx.mc_max_states]
+        cuts.append(state_offsets(ep.steps, len(ep.response_ids), ctx.mc_states))
+        own = cuts[i][: ctx.mc_max_states]
         keys.append({s: (tuple(ep.prompt_ids), tuple(ep.response_ids[:s])) for s in own})
         pos = [s for s in own if first.setdefault(keys[i][s], (i, s)) == (i, s)]
         positions.append(pos)
@@ -161,31 +235,36 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
             boundaries.append([len(ep.prompt_ids) + s for s in pos])
             budgets.append([ctx.params.max_new_tokens - s for s in pos])
             owners.append(i)
-    rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k, ctx.params, ctx.generator, ctx.progress,
-                                        budgets=budgets)
+    wins: dict[tuple[int, int], list[float]] = {}  # (sequence, state) -> rewards of its continuations, graded once
+
+    def graded(q: int, j: int, samples: list) -> list[float]:
+        ep, done = episodes[owners[q]], wins.setdefault((q, j), [])
+        prefix = ep.response_ids[: positions[owners[q]][j]]
+        done += [continuation_reward(ctx.grade, ctx.tokenizer, prefix, s, ep.answer) for s in samples[len(done):]]
+        return done
+
+    adaptive = 0 < ctx.mc_k_min < ctx.mc_k
+    more = (lambda q, j, samples: next_round(graded(q, j, samples), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
+        if adaptive else None
+    rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params,
+                                        ctx.generator, ctx.progress, budgets=budgets, **({"more": more} if more else {}))
     value_of: dict[tuple, float] = {}
     n_cont = n_tokens = 0
-    for i, per_state in zip(owners, rollouts):
-        ep = episodes[i]
-        for start, samples in zip(positions[i], per_state):
-            prefix = ep.response_ids[:start]
-            wins = [continuation_reward(ctx.grade, ctx.tokenizer, prefix, s, ep.answer) for s in samples]
-            value_of[keys[i][start]] = sum(wins) / len(wins)
+    for q, (i, per_state) in enumerate(zip(owners, rollouts)):
+        for j, (start, samples) in enumerate(zip(positions[i], per_state)):
+            w = graded(q, j, samples)
+            value_of[keys[i][start]] = sum(w) / len(w)
             n_cont += len(samples)
             n_tokens += sum(len(s.token_ids) for s in samples)
-    value_at = [{s: value_of[key] for s, key in k.items()} for k in keys]  # response offset -> V
     advantages, all_values = [], []
-    for ep, at in zip(episodes, value_at):
-        vals = [at.get(s, ep.reward) for s, _ in ep.steps]
-        adv = torch.zeros(len(ep.response_ids))
-        for (s, e), a in zip(ep.steps, step_advantages(vals, ep.reward, ctx.gamma)):
-            adv[s:e] = a
-        advantages.append(adv)
+    for ep, key, cut in zip(episodes, keys, cuts):
+        vals = [value_of[key[s]] if s in key else ep.reward for s in cut]
+        advantages.append(segment_advantages(len(ep.response_ids), cut, vals, ep.reward, ctx.gamma))
         all_values.extend(vals)
     v = torch.tensor(all_values) if all_values else torch.zeros(1)
     stats = {"mc/states": float(sum(len(b) for b in boundaries)), "mc/states_shared": float(sum(map(len, keys))),
-             "mc/continuations": float(n_cont),
-             "mc/tokens": float(n_tokens), "value/mean": float(v.mean()), "value/std": float(v.std()) if len(v) > 1 else 0.0}
+             "mc/continuations": float(n_cont), "mc/tokens": float(n_tokens),
+             "value/mean": float(v.mean()), "value/std": float(v.std()) if len(v) > 1 else 0.0}
     return Credit(advantages, stats=stats)
 
 

@@ -110,11 +110,12 @@ class BalancedContinuations:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
-        """Same contract as Engine.continuations, computed cooperatively by every rank."""
-        if not active():
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None, more=None):
+        """Same contract as Engine.continuations, computed cooperatively by every rank (adaptive jobs: each its own)."""
+        if not active() or more is not None:  # `more` grades with this rank's episodes: it cannot judge another's
             self.states_run += sum(len(b) for b in boundaries)
-            return self.engine.continuations(sequences, boundaries, k, params, generator, progress, budgets=budgets)
+            return self.engine.continuations(sequences, boundaries, k, params, generator, progress, budgets=budgets,
+                                             **({"more": more} if more is not None else {}))
         budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in boundaries]
         pools = all_gather_objects(list(zip(sequences, boundaries, budgets)))
         units = [(k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)

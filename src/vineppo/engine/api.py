@@ -6,6 +6,8 @@
     mc  = engine.continuations(sequences, boundaries, k=9, params=params, generator=g, budgets=budgets)
           # mc[i][j] = k Samples continuing sequences[i][:boundaries[i][j]], each with at most
           # budgets[i][j] new tokens (default: params.max_new_tokens)
+    mc  = engine.continuations(..., k=3, more=lambda i, j, samples: 6 if undecided(samples) else 0)
+          # adaptive: further rounds for the prefixes that ask for them, on the same cached prefix
     engine.sleep()               # before an update: a backend holding its own memory may free it (GPU vLLM)
     engine.push_weights(model)   # after an update: a backend holding its own copy of the weights reloads it
 
@@ -44,6 +46,7 @@ class Sample:
 
 
 Progress = Callable[[int], None]  # called with the number of samples finished so far in the job
+More = Callable[[int, int, list[Sample]], int]  # adaptive rounds: (i, j, samples so far) -> how many more to draw
 
 
 class RolloutEngine(Protocol):
@@ -55,8 +58,12 @@ class RolloutEngine(Protocol):
 
     def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
                       generator: torch.Generator | None = None, progress: Progress | None = None,
-                      budgets: list[list[int]] | None = None) -> list[list[list[Sample]]]:
-        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens."""
+                      budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
+        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens.
+
+        Adaptive sampling: with ``more``, once all samples of (i, j) so far have finished, ``more(i, j, samples)``
+        says how many to add (0: that prefix is done); the prefix's KV cache is reused, never re-encoded.
+        """
 
     def sleep(self) -> None:
         """Free what the engine holds that an update needs (a no-op where there is nothing to free)."""

@@ -41,10 +41,10 @@ import inspect
 import torch
 
 from vineppo.engine import schedule
-from vineppo.engine.api import (Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
+from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
                                 eos_token_ids)
 from vineppo.engine.batch import Batch, Group, layers_kv
-from vineppo.engine.plan import Plan, Unit, plan_job
+from vineppo.engine.plan import Plan, Rounds, Unit, plan_job
 from vineppo.engine.sampling import sample
 from vineppo.engine.stops import Finisher, candidate_table
 
@@ -77,11 +77,11 @@ class Engine:
 
     def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
                       generator: torch.Generator | None = None, progress: Progress | None = None,
-                      budgets: list[list[int]] | None = None) -> list[list[list[Sample]]]:
-        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens."""
+                      budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
+        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]] (then ``more`` asks for further rounds)."""
         budgets = check_continuations(sequences, boundaries, params, budgets)
         return self._run([list(s) for s in sequences], [list(b) for b in boundaries], k, params, generator, progress,
-                         budgets)
+                         budgets, more)
 
     def sleep(self) -> None:
         """Nothing to free: the engine holds no memory between jobs."""
@@ -91,7 +91,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the job
 
-    def _run(self, seqs, bounds, k, params, generator, progress, budgets=None):
+    def _run(self, seqs, bounds, k, params, generator, progress, budgets=None, more=None):
         check_job(k, params)
         out = [[[None] * k for _ in bs] for bs in bounds]
         budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in bounds]
@@ -99,13 +99,13 @@ class Engine:
         self.model.eval()
         try:
             with torch.inference_mode():
-                self._job(seqs, bounds, budgets, k, params, generator, progress, out)
+                self._job(seqs, bounds, budgets, k, params, generator, progress, out, more)
         finally:
             if was_training:
                 self.model.train()
         return out
 
-    def _job(self, seqs, bounds, budgets, k, params, generator, progress, out):
+    def _job(self, seqs, bounds, budgets, k, params, generator, progress, out, more=None):
         """The decode loop: admit units as rows finish, step every row once, finish the rows that ended."""
         vocab = self.model.get_output_embeddings().weight.shape[0]
         max_new, budget = params.max_new_tokens, self.token_budget
@@ -115,6 +115,9 @@ class Engine:
                             None if cand is None else cand.to(self.device), out, progress)
         batch = Batch(self.device, max_new, extra=min(max_new + 1, EXTRA_COLUMNS), budgets=budgets)
         groups: dict[int, Group] = {}
+        if more is not None:  # adaptive: each finished sample may settle its prefix, or queue its next round
+            rounds = Rounds(plan, more, k, out, budget, max_new)
+            finisher.on_emit = lambda i, j: groups.pop(rounds.finished(i, j), None)
         while True:
             admitted = schedule.admit(plan.queue, batch, budget, max_new)
             if admitted:
@@ -146,7 +149,7 @@ class Engine:
             rows = torch.arange(live, batch.N, device=self.device)  # kept rows first, then the new ones
         for u in units:
             plan.unadmitted[u.group] -= 1
-            if plan.unadmitted[u.group] == 0:  # every unit of the group is in the batch: free its prefill cache
+            if plan.can_free(u.group):  # every unit of the group is in the batch, no round to come: free its cache
                 del groups[u.group]
         finisher.check(batch, tok0, rows)  # the new rows' first tokens may already finish them
 

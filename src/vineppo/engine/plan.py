@@ -3,11 +3,18 @@
 Both entry points reduce to one job: a list of units, each a prefix (a token count of one source sequence)
 and a number of copies to sample from it. ``generate`` has one unit per prompt (the whole prompt);
 ``continuations`` one per boundary.
+
+Adaptive sampling (``continuations(..., more=...)``): a unit's copies are only the first round of its prefix.
+``Rounds`` counts the samples of each prefix still running; when the last one finishes it asks ``more`` how many
+to add, and queues them as new units of the same prefill group. The group's keys and values stay cached until
+every prefix in it is done, so a later round copies them again and never re-encodes the prefix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from vineppo.engine.api import More
 
 LOGITS_PER_TOKEN = 1024  # a prefill group may hold budget x this many floats of boundary logits (at least a vocabulary)
 
@@ -32,6 +39,11 @@ class Plan:
     groups: list[list[int]]
     queue: list[Unit]
     unadmitted: dict[int, int]  # group -> its units not yet in the batch (its prefill cache is freed at 0)
+    open: dict[int, int] = field(default_factory=dict)  # group -> its prefixes still sampling (adaptive jobs only)
+
+    def can_free(self, group: int) -> bool:
+        """True when no unit of ``group`` waits for its prefill cache and no prefix of it may ask for more."""
+        return self.unadmitted.get(group, 0) == 0 and self.open.get(group, 0) == 0
 
 
 def plan_job(bounds: list[list[int]], k: int, budget: int, max_new: int, vocab: int) -> Plan:
@@ -42,9 +54,7 @@ def plan_job(bounds: list[list[int]], k: int, budget: int, max_new: int, vocab: 
         units = []
         for r, i in enumerate(members):
             for j, b in enumerate(bounds[i]):
-                per = max(1, budget // (b + max_new))  # copies of one unit must fit the budget together
-                for c0 in range(0, k, per):
-                    units.append(Unit(g, r, i, j, b, c0, min(per, k - c0)))
+                units.extend(split(Unit(g, r, i, j, b, 0, k), budget, max_new))
         units.sort(key=lambda u: u.length)  # rows of one batch then need little left padding
         queue.extend(units)
     queue.reverse()
@@ -52,6 +62,45 @@ def plan_job(bounds: list[list[int]], k: int, budget: int, max_new: int, vocab: 
     for u in queue:
         unadmitted[u.group] = unadmitted.get(u.group, 0) + 1
     return Plan(groups, queue, unadmitted)
+
+
+def split(u: Unit, budget: int, max_new: int) -> list[Unit]:
+    """``u`` as units whose copies fit the budget together (rows x (prefix + max_new) <= budget)."""
+    per = max(1, budget // (u.length + max_new))
+    return [Unit(u.group, u.row, u.seq, u.boundary, u.length, u.first + c, min(per, u.copies - c))
+            for c in range(0, u.copies, per)]
+
+
+class Rounds:
+    """Adaptive jobs: when every sample of a prefix has finished, ask ``more`` and queue the next round's units."""
+
+    def __init__(self, plan: Plan, more: More, k: int, out: list, budget: int, max_new: int):
+        self.plan, self.more, self.out, self.budget, self.max_new = plan, more, out, budget, max_new
+        self.running: dict[tuple[int, int], int] = {}  # (i, j) -> its samples still being drawn
+        self.template: dict[tuple[int, int], Unit] = {}  # (i, j) -> a unit of its prefix (group, row, length)
+        for u in plan.queue:
+            if (u.seq, u.boundary) not in self.template:
+                self.template[u.seq, u.boundary] = u
+                self.running[u.seq, u.boundary] = k
+                plan.open[u.group] = plan.open.get(u.group, 0) + 1
+
+    def finished(self, i: int, j: int) -> int | None:
+        """Count one finished sample of (i, j); the prefill group to free when that settles its whole group, else None."""
+        self.running[i, j] -= 1
+        if self.running[i, j]:
+            return None
+        drawn = self.out[i][j]
+        extra = self.more(i, j, drawn)
+        u = self.template[i, j]
+        if extra > 0:
+            self.running[i, j] = extra
+            drawn.extend([None] * extra)
+            units = split(Unit(u.group, u.row, i, j, u.length, len(drawn) - extra, extra), self.budget, self.max_new)
+            self.plan.queue.extend(reversed(units))  # popped from the end: next in line
+            self.plan.unadmitted[u.group] += len(units)
+            return None
+        self.plan.open[u.group] -= 1
+        return u.group if self.plan.can_free(u.group) else None
 
 
 def prefill_groups(bounds: list[list[int]], budget: int, vocab: int) -> list[list[int]]:

@@ -38,6 +38,7 @@ class Finisher:
         self.tokenizer, self.stop, self.eos, self.cand, self.out, self.progress = tokenizer, stop, eos, cand, out, progress
         self.window = max((len(s) for s in stop), default=0) + STOP_WINDOW
         self.done = 0  # samples finished so far in the job
+        self.on_emit = None  # called with (i, j) after each sample is written (adaptive jobs count them)
 
     def check(self, batch: Batch, tok: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Finish the rows (all, or the indices ``rows``) whose fresh tokens ``tok`` end them (EOS, stop, length)."""
@@ -79,3 +80,5 @@ class Finisher:
         i, j, c = batch.meta[row]
         self.out[i][j][c] = Sample(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
                                    logprobs=batch.lp[row, :n].tolist(), finish_reason=reason)
+        if self.on_emit is not None:
+            self.on_emit(i, j)

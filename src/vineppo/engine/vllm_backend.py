@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from vineppo.engine.api import (MISSING_VLLM, Progress, Sample, SamplingParams, check_continuations, check_job,
+from vineppo.engine.api import (MISSING_VLLM, More, Progress, Sample, SamplingParams, check_continuations, check_job,
                                 check_prompts, eos_token_ids)
 from vineppo.errors import UserError
 from vineppo.models import context_length
@@ -116,12 +116,24 @@ class VLLMEngine:
 
     def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
                       generator: torch.Generator | None = None, progress: Progress | None = None,
-                      budgets: list[list[int]] | None = None) -> list[list[list[Sample]]]:
-        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens."""
+                      budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
+        """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]] (then ``more`` asks for further rounds)."""
         budgets = check_continuations(sequences, boundaries, params, budgets)
         check_job(k, params)
         prefixes = [list(s[:b]) for s, bs in zip(sequences, boundaries) for b in bs]
-        flat = self._run(prefixes, k, [n for bs in budgets for n in bs], params, generator, progress)
+        limits = [n for bs in budgets for n in bs]
+        flat = self._run(prefixes, k, limits, params, generator, progress)
+        if more is not None:  # later rounds are new requests: the prefix cache still holds each prefix's blocks
+            keys = [(i, j) for i, bs in enumerate(boundaries) for j in range(len(bs))]
+            todo = list(range(len(prefixes)))
+            while todo:
+                asks = {p: more(*keys[p], flat[p]) for p in todo}
+                todo = [p for p in todo if asks[p] > 0]
+                for m in sorted({asks[p] for p in todo}):  # one vLLM call per round size (n is per call here)
+                    same = [p for p in todo if asks[p] == m]
+                    got = self._run([prefixes[p] for p in same], m, [limits[p] for p in same], params, generator, None)
+                    for p, samples in zip(same, got):
+                        flat[p].extend(samples)
         out, at = [], 0
         for bs in boundaries:
             out.append(flat[at : at + len(bs)])
