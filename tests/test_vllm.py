@@ -90,6 +90,23 @@ def test_greedy_equals_the_native_engine(tiny, engine):
 
 
 @real_vllm
+def test_adaptive_rounds_go_only_to_the_prefixes_that_ask(tiny, engine):
+    """`more` (adaptive Monte Carlo): later rounds for the prefixes that ask, greedy so they equal the first."""
+    prompts = _prompts([5, 17, 40], seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    seen = []
+
+    def more(i, j, samples):
+        seen.append((i, j, len(samples)))
+        return 2 if (i, j) == (2, 0) and len(samples) < 5 else 0
+
+    out = engine.continuations(prompts, [[len(p)] for p in prompts], 1, params, more=more)
+    assert [len(r[0]) for r in out] == [1, 1, 5]
+    assert sorted(seen) == [(0, 0, 1), (1, 0, 1), (2, 0, 1), (2, 0, 3), (2, 0, 5)]
+    assert len({tuple(s.token_ids) for s in out[2][0]}) == 1  # greedy: every round continues the same prefix alike
+
+
+@real_vllm
 def test_sampled_first_tokens_follow_temperature_and_top_p(tiny, engine):
     """Chi-square: the first tokens of 3000 samples against the model's nucleus at T; the same counts reject the
     distribution without top-p. The log-probs are vLLM's raw ones (T = 1), and the same seed repeats the samples."""
