@@ -97,6 +97,9 @@ def test_train_command_skips_resumes_and_restarts(tmp_path, comparison):
     (done / "checkpoints" / "latest").write_text("iter-000004\n")
     more = train_command(done, "ppo", 0, 8, "arith-tiny", [])  # asked for more iterations: continue it
     assert more[1:] == ["-m", "vineppo", "train", "--resume", str(done), "--iterations", "8", "--json"]
+    budgeted = json.loads((done / "summary.json").read_text()) | {"time_budget_reached": True}
+    (done / "summary.json").write_text(json.dumps(budgeted))
+    assert train_command(done, "ppo", 0, 8, "arith-tiny", []) is None  # stopped by its time budget: finished
     half = tmp_path / "half"
     (half / "checkpoints").mkdir(parents=True)
     (half / "checkpoints" / "latest").write_text("iter-000002\n")

@@ -35,7 +35,9 @@ def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo):
     out = tmp_path / algo
     assert summary["iterations"] == 2
     saved = json.loads((out / "summary.json").read_text())
-    assert set(saved) == {"sft_test_pass@1", "final_test_pass@1", "best_test_pass@1", "iterations", "wall_clock_s"}
+    assert set(saved) == {"sft_test_pass@1", "final_test_pass@1", "best_test_pass@1", "iterations", "wall_clock_s",
+                          "train_s", "time_budget_reached"}
+    assert not saved["time_budget_reached"] and 0 < saved["train_s"] <= saved["wall_clock_s"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[1]["episodes"] == 16 and "kl" in rows[1] and "time/update_s" in rows[1]
@@ -45,6 +47,16 @@ def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo):
         assert rows[1]["mc/states"] > 0 and rows[1]["mc/continuations"] == 2 * rows[1]["mc/states"]
     if algo == "ppo":
         assert "value_loss" in rows[1] and (out / "checkpoints" / "iter-000002" / "critic.pt").exists()
+
+
+def test_time_budget_stops_then_evaluates_and_saves(tiny_sft, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "budget"
+    summary = train(_cfg(tiny_sft, out, algo="grpo", iterations=5, eval_every=0, save_every=0, time_budget_s=1e-6))
+    assert summary["iterations"] == 1 and summary["time_budget_reached"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1] and "test/pass@1" in rows[1]  # the final evaluation ran
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter-000001"
 
 
 def _weights(run: Path) -> dict:

@@ -61,8 +61,9 @@ def train_command(run_dir: Path, algo: str, seed: int, iterations: int | None, p
     """The `vineppo train` command for one run: new, resumed, or None when it already finished."""
     it = ["--iterations", str(iterations)] if iterations else []
     summary = run_dir / "summary.json"
-    if summary.is_file() and not (iterations and json.loads(summary.read_text())["iterations"] < iterations):
-        return None
+    done = json.loads(summary.read_text()) if summary.is_file() else None
+    if done and (done.get("time_budget_reached") or not (iterations and done["iterations"] < iterations)):
+        return None  # finished: all its iterations, or its --time-budget-s
     if (run_dir / "checkpoints" / "latest").is_file():  # half-finished, or finished and now asked for more
         return [sys.executable, "-m", "vineppo", "train", "--resume", str(run_dir), *it, "--json"]
     if summary.is_file():  # never delete a finished run

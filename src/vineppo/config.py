@@ -82,6 +82,7 @@ class TrainConfig:
     dpo_pairs: int = 8  # DPO+: (correct, incorrect) pairs per prompt, drawn from all such pairs of its responses
     dpo_beta: float = 0.1  # DPO+: beta, the scale of the implicit reward
     dpo_lambda: float = 50.0  # DPO+: lambda, the weight of the penalty on the chosen response's likelihood falling
+    time_budget_s: float = 0.0  # stop once sampling, credit and updates (not evaluations) took this many seconds, then evaluate and save (0: off)
     eval_every: int = 10  # iterations between test evaluations (0: only at start and end)
     eval_split: str = "test"  # split evaluated during training
     eval_data: str | None = None  # local file for the evaluation split (None: the task's default source)
@@ -129,7 +130,7 @@ RULES: dict[str, Rule] = {
     "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
     "micro_batch": AT_LEAST_1, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
-    "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
+    "time_budget_s": NON_NEGATIVE, "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
     "token_budget": AT_LEAST_1, "dtype": (lambda v: v in ("float32", "bfloat16"), "must be float32 or bfloat16"),
     "lora_r": AT_LEAST_0, "lora_alpha": POSITIVE, "lora_targets": (lambda v: v.strip(",  ") != "", "must name modules"),

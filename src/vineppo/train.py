@@ -82,11 +82,12 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     eval_engine = engine if sampler is policy else None
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
 
-    state = {"iteration": 0, "wall_clock_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
+    state = {"iteration": 0, "wall_clock_s": 0.0, "train_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
              "final_test_pass@1": None, "best_val_iteration": None, "best_val_pass@1": None,
              "test_at_best_val_pass@1": None}
     if resume:  # a checkpoint from before validation existed lacks its keys
         state.update(runs.load_checkpoint(found, trained, device))
+        state.setdefault("train_s", state["wall_clock_s"])  # checkpoints from before --time-budget-s
     if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
         with _disk_errors(out):
             configs.save(cfg, out / "config.yaml")
@@ -184,7 +185,10 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
 
         # 4. Evaluate, log, checkpoint.
         done = it + 1
-        if (test_set or val_set) and (done == cfg.iterations or (cfg.eval_every and done % cfg.eval_every == 0)):
+        state["train_s"] += t2 - t0
+        spent = dist.all_sum([state["train_s"]])[0] / dist.world()  # every rank stops at the same iteration
+        last = done == cfg.iterations or 0 < cfg.time_budget_s <= spent
+        if (test_set or val_set) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
             bar.update(job, status="evaluating")
             scores = evaluate_now(done)
             metrics.update(scores)
@@ -195,7 +199,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         metrics["time/wall_clock_s"] = state["wall_clock_s"]
         with _disk_errors(out):
             tracker.log(done, metrics)
-        if done == cfg.iterations or (cfg.save_every and done % cfg.save_every == 0):
+        if last or (cfg.save_every and done % cfg.save_every == 0):
             bar.update(job, status="saving")
             runs.save_checkpoint(out, trained, tokenizer, state, cfg.keep_checkpoints, prompt_format=prompter.format)
         status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
@@ -203,11 +207,14 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         bar.update(job, advance=1, status=status)
         if main and not console.is_terminal:
             console.print(f"iter {done}/{cfg.iterations} {status} ({state['wall_clock_s']:.0f}s)")
+        if last:
+            break
 
     bar.stop()
     tracker.close()
     summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
-    summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"]})
+    summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"], "train_s": state["train_s"],
+                    "time_budget_reached": 0 < cfg.time_budget_s <= state["train_s"]})
     if val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
         summary.update({k: state[k] for k in ("best_val_iteration", "best_val_pass@1", "test_at_best_val_pass@1")})
     if main:
