@@ -158,3 +158,13 @@ def test_arith_knobs_through_data_flag():
     assert all(2 <= len(ex.solution.splitlines()) - 1 <= 4 for ex in easy)
     with pytest.raises(UserError, match="knobs"):
         load_arith("test", "digits=big")
+
+
+def test_arith_test_size_knob_extends_the_default_test_set():
+    from vineppo.tasks.arith import load_arith
+
+    default = load_arith("test")
+    larger = load_arith("test", "test_size=1200")
+    assert len(default) == 500 and len(larger) == 1200
+    assert [ex.problem for ex in larger[:500]] == [ex.problem for ex in default]
+    assert len(load_arith("train", "test_size=1200", size=30)) == 30  # the other splits keep their sizes

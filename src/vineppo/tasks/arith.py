@@ -80,11 +80,11 @@ def split_of(problem: str) -> str:
 
 def load_arith(split: str, path: str | None = None, seed: int = 0, min_ops: int = 2, max_ops: int = 4,
                digits: int = 2, size: int | None = None) -> list[Example]:
-    """`size` problems of `split` (default: 20000 train, 500 validation, 500 test) generated from `seed`."""
+    """`size` problems of `split` (default: 20000 train, 500 validation, 500 test, or --data's test_size=N)."""
     from vineppo.errors import UserError
 
     if path is not None:  # no file: --data carries the generator's knobs, e.g. "max_ops=6,digits=3"
-        knobs = {"min_ops": min_ops, "max_ops": max_ops, "digits": digits}
+        knobs = {"min_ops": min_ops, "max_ops": max_ops, "digits": digits, "test_size": 0}
         for item in filter(None, (x.strip() for x in path.split(","))):
             key, _, value = item.partition("=")
             if key not in knobs or not value.isdigit():
@@ -92,6 +92,8 @@ def load_arith(split: str, path: str | None = None, seed: int = 0, min_ops: int 
                                 f"not {item!r}")
             knobs[key] = int(value)
         min_ops, max_ops, digits = knobs["min_ops"], knobs["max_ops"], knobs["digits"]
+        if split == "test" and knobs["test_size"] and size is None:  # a larger test set starts with the default one
+            size = knobs["test_size"]
         if not (1 <= min_ops <= max_ops and 1 <= digits <= 3):
             raise UserError(f"task 'arith': need 1 <= min_ops <= max_ops and 1 <= digits <= 3 (got {path!r})")
     if split not in N_SPLIT:
