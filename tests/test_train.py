@@ -56,6 +56,7 @@ def test_time_budget_stops_then_evaluates_and_saves(tiny_sft, tmp_path):
     assert summary["iterations"] == 1 and summary["time_budget_reached"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and "test/pass@1" in rows[1]  # the final evaluation ran
+    assert rows[1]["time/train_s"] == summary["train_s"] >= 1e-6
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter-000001"
 
 

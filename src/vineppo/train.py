@@ -197,6 +197,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         state["iteration"] = done
         state["wall_clock_s"] = time.perf_counter() - clock
         metrics["time/wall_clock_s"] = state["wall_clock_s"]
+        metrics["time/train_s"] = state["train_s"]  # sampling, credit and updates so far (what --time-budget-s counts)
         with _disk_errors(out):
             tracker.log(done, metrics)
         if last or (cfg.save_every and done % cfg.save_every == 0):
