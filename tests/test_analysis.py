@@ -79,7 +79,8 @@ class FakeEngine:
     def generate(self, prompts, n, params, generator=None, progress=None):
         return [[_sample("#### 4" if m % 2 == 0 else "#### 5") for m in range(n)] for _ in prompts]
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
+                      more=None):
         self.calls.append((len(sequences), [len(b) for b in boundaries], k))
         self.budgets.append(budgets)
         out = []

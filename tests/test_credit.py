@@ -35,7 +35,8 @@ class FakeEngine:
         self.wins = wins  # wins[i][j] = number of the k continuations that end with the right answer
         self.calls = []
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
+                      more=None):
         self.calls.append((sequences, boundaries, k, budgets))
         for seq, bs in zip(sequences, boundaries):
             if any(b <= a for a, b in zip([0] + bs, bs)) or bs[-1] > len(seq):
@@ -85,7 +86,8 @@ def test_vine_state_cap_uses_reward_and_truncated_continuations_score_zero():
     ep = _ep(1.0, n_tokens=3, steps=[(0, 1), (1, 2), (2, 3)])
 
     class Truncating(FakeEngine):
-        def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+        def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
+                          more=None):
             out = super().continuations(sequences, boundaries, k, params)
             return [[[Sample(s.token_ids, s.text, s.logprobs, "length") for s in st] for st in seq] for seq in out]
 
@@ -112,7 +114,8 @@ class BudgetEngine:
     def __init__(self):
         self.budgets = None
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
+                      more=None):
         self.budgets = budgets or [[params.max_new_tokens] * len(b) for b in boundaries]
         answer = [0, 0, 0, RIGHT]
         return [[[_sample(answer[:n], "stop" if n >= 4 else "length") for _ in range(k)] for n in per]
@@ -222,7 +225,8 @@ class ReplayEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None):
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
+                      more=None):
         def rest(seq, b):
             return Sample(seq[b:], self.tokenizer.decode(seq[b:], skip_special_tokens=True), [0.0] * (len(seq) - b),
                           "stop")

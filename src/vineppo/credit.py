@@ -247,7 +247,7 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     more = (lambda q, j, samples: next_round(graded(q, j, samples), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
         if adaptive else None
     rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params,
-                                        ctx.generator, ctx.progress, budgets=budgets, **({"more": more} if more else {}))
+                                        ctx.generator, ctx.progress, budgets=budgets, more=more)
     value_of: dict[tuple, float] = {}
     n_cont = n_tokens = 0
     for q, (i, per_state) in enumerate(zip(owners, rollouts)):

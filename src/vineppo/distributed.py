@@ -115,7 +115,7 @@ class BalancedContinuations:
         if not active() or more is not None:  # `more` grades with this rank's episodes: it cannot judge another's
             self.states_run += sum(len(b) for b in boundaries)
             return self.engine.continuations(sequences, boundaries, k, params, generator, progress, budgets=budgets,
-                                             **({"more": more} if more is not None else {}))
+                                             more=more)
         budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in boundaries]
         pools = all_gather_objects(list(zip(sequences, boundaries, budgets)))
         units = [(k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)

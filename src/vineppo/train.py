@@ -87,7 +87,6 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
              "test_at_best_val_pass@1": None}
     if resume:  # a checkpoint from before validation existed lacks its keys
         state.update(runs.load_checkpoint(found, trained, device))
-        state.setdefault("train_s", state["wall_clock_s"])  # checkpoints from before --time-budget-s
     if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
         with _disk_errors(out):
             configs.save(cfg, out / "config.yaml")
@@ -186,8 +185,9 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         # 4. Evaluate, log, checkpoint.
         done = it + 1
         state["train_s"] += t2 - t0
-        spent = dist.all_sum([state["train_s"]])[0] / dist.world()  # every rank stops at the same iteration
-        last = done == cfg.iterations or 0 < cfg.time_budget_s <= spent
+        # the mean over ranks, so every rank stops at the same iteration; no collective when there is no budget
+        last = done == cfg.iterations or (cfg.time_budget_s > 0 and
+                                          cfg.time_budget_s <= dist.all_sum([state["train_s"]])[0] / dist.world())
         if (test_set or val_set) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
             bar.update(job, status="evaluating")
             scores = evaluate_now(done)
