@@ -102,6 +102,9 @@ def _worker(rank, store, out, fsdp, fn=_update):
     params = fn([0, 2, 4, 6, 7] if rank == 0 else [1, 3, 5], fsdp)  # uneven shares: rank 1 idles some steps
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in params.items()}, out)
+    # Leave together: a rank that tears gloo down while its peer's worker threads still hold work can abort the peer
+    # (SIGABRT seen once in CI under load).
+    tdist.barrier()
     tdist.destroy_process_group()
 
 

@@ -88,7 +88,10 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group init() joined; a group someone else made (vLLM's, in this process) is theirs to end."""
+    """Leave the process group init() joined; a group someone else made (vLLM's, in this process) is theirs to end.
+
+    Call barrier() first on a normal exit: a rank that tears gloo down while a peer's worker threads still hold work
+    can abort that peer."""
     global _joined
     if _joined is not None and tdist.is_available() and tdist.is_initialized() and tdist.group.WORLD is _joined:
         tdist.destroy_process_group()

@@ -430,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = train(cfg, Path(args.resume) if args.resume else None)
         main = dist.is_main()
+        dist.barrier()  # leave together (not after an error: a peer may be gone): see distributed.shutdown
     finally:
         dist.shutdown()
     if main:
