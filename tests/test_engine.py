@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from vineppo.engine import TOP_K, Engine, Sample, SamplingParams
+from vineppo.engine.sampling import sample
 
 torch.set_num_threads(1)
 
@@ -223,6 +224,25 @@ def test_first_token_frequencies_follow_top_p(tok, scale):
     # the test can fail: the same counts reject the distribution without top-p filtering
     full = torch.softmax(logits.double() / T, -1).numpy()
     assert _chi2_gof(counts, full) < 1e-3
+
+
+@pytest.mark.parametrize("spread", [0.01, 0.2])
+def test_top_p_on_a_flat_row_widens_the_window_and_stays_exact(spread):
+    """A 5,000-token vocabulary where the top TOP_K hold far less than top_p (spread 0.01: the nucleus spans ~230
+    tokens, inside the widened 256 window) or all of it (0.2): frequencies follow the exact nucleus either way, and
+    the log-probs are those of the full softmax."""
+    V, T, top_p = 5000, 0.8, 0.9
+    logits = -spread * torch.arange(V, dtype=torch.float32)
+    probs = _nucleus(logits, T, top_p)
+    wide = int((probs > 0).sum()) > TOP_K
+    assert wide == (spread < 0.1), "the test should exercise the intended window"
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample(logits.expand(20000, V), SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1), g)
+    assert torch.allclose(lp, torch.log_softmax(logits / T, -1)[tok], atol=1e-5)
+    counts = np.bincount(tok.numpy(), minlength=V)
+    assert _chi2_gof(counts, probs) > 1e-3
+    if wide:  # the test can fail: a window cut at TOP_K would never draw the nucleus's tail
+        assert counts[TOP_K:].sum() > 0
 
 
 def test_continuations_match_reencoded_prefix_greedy(model, tok):
