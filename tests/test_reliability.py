@@ -404,3 +404,12 @@ def test_compare_checks_the_training_flags_first(tmp_path, capsys):
                           "--out", str(tmp_path / "cmp"), "--train-args", "--lr -1"])
     assert "--lr: must be > 0 and finite, got -1" in err
     assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_every_command_prints_its_help(command, capsys):
+    """`vineppo COMMAND --help` lists its flags and exits 0 (a `%` in a field comment once crashed train's)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    assert "--" in capsys.readouterr().out

@@ -281,7 +281,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
-                            help=_comment(f.name))
+                            help=_comment(f.name).replace("%", "%%"))  # argparse %-formats help text
 
 
 def overrides_from(args: argparse.Namespace) -> dict:
