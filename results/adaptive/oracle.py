@@ -59,13 +59,15 @@ def oracle_cost(ps: list[float], costs: list[float], target: float) -> float:
 
 def analyse(path: str) -> dict:
     """Every setting's expected MAE and cost against fixed K = 9 on the states of one values.json."""
-    rows = json.load(open(path))["rows"]
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["rows"]
     ps = [round(r["true"], 6) for r in rows]
     w = [r["steps"] - r["t"] for r in rows]
     n9 = 9 * len(ps)
     base = sum(fixed_err(9, p) for p in ps) / len(ps)
     out = {"values": path, "states": len(ps), "uncertain_states": sum(0 < p < 1 for p in ps),
-           "k9_expected_mae": base, "k9_measured_mae": json.load(open(path))["mae"]["vineppo_k9"], "settings": []}
+           "k9_expected_mae": base, "k9_measured_mae": data["mae"]["vineppo_k9"], "settings": []}
     for K in (1, 3, 9):
         e = sum(fixed_err(K, p) for p in ps) / len(ps)
         out["settings"].append({"setting": f"fixed K={K}", "mae": e, "error_ratio": e / base, "continuations": K / 9,
