@@ -48,7 +48,7 @@ from vineppo import parallel
 from vineppo.config import TrainConfig, validate
 from vineppo.engine import Engine, SamplingParams
 from vineppo.models import load_model, train_tokenizer
-from vineppo.ppo import UpdateConfig, ppo_update
+from vineppo.ppo import Learner, Rollouts, UpdateConfig, ppo_update
 from vineppo.train import build_models, policy_dtype
 
 SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -147,9 +147,9 @@ def one(name: str, folder: str, args: argparse.Namespace) -> dict:
     policy.train()
     meter.reset()
     start = time.perf_counter()
-    ppo_update(models.trainee, models.reference, models.trained.optimizer, [prompts[i] for i in mine],
-               [responses[i] for i in mine], [advantages[i] for i in mine], update_cfg, tokenizer.pad_token_id,
-               torch.Generator(), ids=mine)
+    data = Rollouts([prompts[i] for i in mine], [responses[i] for i in mine], [advantages[i] for i in mine],
+                    tokenizer.pad_token_id, ids=mine)
+    ppo_update(Learner(models.trainee, models.reference, models.trained.optimizer), data, update_cfg, torch.Generator())
     seconds = time.perf_counter() - start
     update = meter.peak()
     static = meter.now() - meter.base  # after the step: weights, reference, gradients, AdamW state

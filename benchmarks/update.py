@@ -7,10 +7,13 @@ Workload: one GRPO iteration of the `arith-tiny` preset on the model (an SFT mod
 update: 2 epochs of minibatch 64 in micro-batches of 32, k3 KL 1e-4 to the reference, AdamW lr 3e-5.
 
 Reports (medians over --repeats, each repeat on the same sampled responses)
-- update: completion tokens x epochs / seconds of the update (credit + old/reference log-probs + the
-  epochs' forward, backward and optimiser steps);
-- limit: bare forward + backward passes of the same model over the same micro-batches (same packing,
-  same lengths), loss = sum of the scored tokens' log-probs, no optimiser; tokens counted the same way;
+- update: completion tokens x epochs / seconds of the update (credit + reference log-probs + the epochs'
+  forward, backward and optimiser steps; the old log-probs are the engine's sampling ones);
+- limit: bare forward + backward passes of the same model over the update's own micro-batches (the same
+  minibatch order and grouping, the same packing: each distinct prompt encoded once per micro-batch), loss =
+  sum of the scored tokens' log-probs, no optimiser; tokens counted the same way;
+- unshared_limit: the same passes with every prompt encoded once per response (the packing before prompt
+  sharing), for reference;
 - fraction_of_limit = update / limit;
 - iteration: completion tokens / (sampling + update) seconds, the figure TRL's script prints;
 - trl: when `trl` is importable (or --trl-python names a venv's python that has it), the peer script
@@ -36,7 +39,8 @@ import torch
 from vineppo import algorithms, config as configs
 from vineppo.engine import Engine, SamplingParams
 from vineppo.models import load_model, seeded_generator
-from vineppo.ppo import pack, token_logprobs
+from vineppo import ppo
+from vineppo.ppo import can_share, pack, token_logprobs
 from vineppo.prompts import Prompter
 from vineppo.tasks import get_task
 from vineppo.train import _episode, build_models
@@ -80,19 +84,23 @@ def time_update(episodes, ctx) -> float:
     return time.perf_counter() - t0
 
 
-def time_limit(episodes, ctx) -> float:
-    """Seconds of bare forward+backward passes over the update's micro-batches (epochs x minibatches)."""
+def time_limit(episodes, ctx, share: bool) -> float:
+    """Seconds of bare forward+backward passes over the update's own micro-batches (the same minibatch order,
+    grouping and packing; `share`: prompts encoded once per micro-batch, as the update does on one process)."""
     cfg, policy = ctx.cfg, ctx.policy
-    order = list(range(len(episodes)))
+    prompts, responses = [ep.prompt_ids for ep in episodes], [ep.response_ids for ep in episodes]
+    gen = torch.Generator().manual_seed(0)  # time_update's order generator
     policy.train()
     t0 = time.perf_counter()
     for _ in range(cfg.epochs):
-        for start in range(0, len(order), cfg.micro_batch):
-            idx = order[start:start + cfg.micro_batch]
-            b = pack([episodes[i].prompt_ids for i in idx], [episodes[i].response_ids for i in idx],
-                     ctx.tokenizer.pad_token_id)
-            logp, _ = token_logprobs(policy, b, cfg.temperature)
-            (logp * b.mask).sum().backward()
+        order = torch.randperm(len(episodes), generator=gen).tolist()
+        for start in range(0, len(order), cfg.minibatch):
+            mb = ppo._by_prompt(order[start:start + cfg.minibatch], prompts)
+            for idx in ppo._micro_batches(mb, cfg.micro_batch):
+                b = pack([prompts[i] for i in idx], [responses[i] for i in idx], ctx.tokenizer.pad_token_id,
+                         share=share)
+                logp, _ = token_logprobs(policy, b, cfg.temperature)
+                (logp * b.mask).sum().backward()
     took = time.perf_counter() - t0
     policy.zero_grad(set_to_none=True)
     policy.eval()
@@ -131,12 +139,14 @@ def main() -> None:
     for r in range(args.repeats):
         episodes, sampling = sample(cfg, task, prompter, ctx, seed=r)
         tokens = sum(len(ep.response_ids) for ep in episodes)
-        update, limit = time_update(episodes, ctx), time_limit(episodes, ctx)
-        rows.append(dict(tokens=tokens, sampling_s=sampling, update_s=update, limit_s=limit))
+        update, limit = time_update(episodes, ctx), time_limit(episodes, ctx, can_share(ctx.policy))
+        plain = time_limit(episodes, ctx, share=False)
+        rows.append(dict(tokens=tokens, sampling_s=sampling, update_s=update, limit_s=limit, plain_limit_s=plain))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out = dict(model=args.model, threads=threads, repeats=args.repeats, completion_tokens=med["tokens"],
                update_tokens_per_s=med["tokens"] * cfg.epochs / med["update_s"],
                limit_tokens_per_s=med["tokens"] * cfg.epochs / med["limit_s"],
+               unshared_limit_tokens_per_s=med["tokens"] * cfg.epochs / med["plain_limit_s"],
                iteration_tokens_per_s=statistics.median(r["tokens"] / (r["sampling_s"] + r["update_s"]) for r in rows),
                sampling_s=med["sampling_s"], update_s=med["update_s"])
     out["fraction_of_limit"] = out["update_tokens_per_s"] / out["limit_tokens_per_s"]

@@ -288,3 +288,49 @@ def test_lora_with_samples_from_the_sft_model_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(configs, "peft_installed", lambda: True)
     with pytest.raises(UserError, match=r"lora.r.*sample_from sft \(dpo-positive's default\).*--sample-from policy"):
         configs.resolve(configs.load_preset("arith-tiny"), {"algo": "dpo-positive", "lora_r": 8})
+
+
+# ------------------------------------------------------------------------------------ old log-probs from sampling
+
+
+def _sampled_grpo_update(tiny_sft, use_sampler: bool):
+    """A GRPO update on episodes the native engine sampled; returns its metrics, weights and policy forward count."""
+    from vineppo.engine import Engine, SamplingParams
+    from vineppo.models import seeded_generator
+
+    policy, tok = load_model(tiny_sft, device="cpu", verbose=False)
+    reference, _ = load_model(tiny_sft, device="cpu", verbose=False)
+    reference.requires_grad_(False)
+    cfg = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "grpo", "samples_per_prompt": 4, "minibatch": 8,
+                                                             "micro_batch": 4, "epochs": 2})
+    engine = Engine(policy, tok)
+    params = SamplingParams(cfg.temperature, cfg.top_p, 24, ())
+    prompts = [tok(f"Problem:\nAva has {g + 2} coins. She gets 3 more. How many?\n\nSolution:")["input_ids"]
+               for g in range(2)]
+    outputs = engine.generate(prompts, 4, params, seeded_generator(policy, 0))
+    episodes = [Episode(p, list(s.token_ids), s.text, float(j % 2), g, "5", [(0, len(s.token_ids))], False,
+                        list(s.logprobs) if use_sampler else None)
+                for g, (p, samples) in enumerate(zip(prompts, outputs)) for j, s in enumerate(samples)]
+    calls = []
+    policy.register_forward_hook(lambda *a: calls.append(1))
+    # SGD, not AdamW: its steps are proportional to the gradients, so equal gradients give equal weights
+    ctx = Context(cfg, policy, reference, torch.optim.SGD(policy.parameters(), lr=0.1), tok, engine, params,
+                  None, order_generator=torch.Generator().manual_seed(0))
+    metrics = algorithms.ppo_family(episodes, ctx)
+    return metrics, {k: v.clone() for k, v in policy.state_dict().items()}, len(calls)
+
+
+def _sft_weights(path):
+    return load_model(path, device="cpu", verbose=False)[0].state_dict()
+
+
+def test_the_native_engines_sampling_logprobs_are_the_updates_old_logprobs(tiny_sft):
+    with_sampler, weights, forwards = _sampled_grpo_update(tiny_sft, use_sampler=True)
+    recomputed, weights_ref, forwards_ref = _sampled_grpo_update(tiny_sft, use_sampler=False)
+    assert with_sampler["logprob_gap"] < 1e-4  # the engine's log-probs are the trainer's, to float rounding
+    assert "logprob_gap" not in recomputed
+    # no old-log-prob pass over the 2 micro-batches of 4 (each 2 model calls: prompts, then responses on them)
+    assert forwards_ref - forwards == 2 * 2
+    moved = max(float((weights[k] - w).abs().max()) for k, w in _sft_weights(tiny_sft).items())
+    gap = max(float((weights[k] - weights_ref[k]).abs().max()) for k in weights)
+    assert moved > 1e-3 and gap < 1e-3 * moved  # the update lands where the recomputed old log-probs take it

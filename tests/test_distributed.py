@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from vineppo import algorithms, parallel
 from vineppo.config import TrainConfig
-from vineppo.ppo import Critic, UpdateConfig, ppo_update
+from vineppo.ppo import Critic, Learner, Rollouts, UpdateConfig, ppo_update
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same float kernels here
 CFG = UpdateConfig(epochs=2, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7, grad_clip=1.0,
                    value_clip=0.2)
 
@@ -67,9 +68,8 @@ def _update(ids, fsdp=False):
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
     pick = lambda xs: [xs[i] for i in ids]  # noqa: E731
-    ppo_update(policy_t, reference, opt, pick(prompts), pick(responses), pick(advantages), CFG, pad_id=0,
-               generator=torch.Generator().manual_seed(3), critic=critic_t, critic_optimizer=critic_opt,
-               returns=pick(returns), old_values=pick(values), ids=ids)
+    data = Rollouts(pick(prompts), pick(responses), pick(advantages), 0, pick(returns), pick(values), ids=ids)
+    ppo_update(Learner(policy_t, reference, opt, critic_t, critic_opt), data, CFG, torch.Generator().manual_seed(3))
     state = parallel.full_state(policy) if fsdp else policy.state_dict()
     critic_state = parallel.full_state(critic) if fsdp else critic.state_dict()
     return {**state, **{f"critic.{k}": v for k, v in critic_state.items()}}
@@ -110,7 +110,7 @@ def _worker(rank, store, out, fsdp, fn=_update):
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_update_with_two_processes_equals_one(tmp_path, fsdp):
-    single = _update(list(range(8)))
+    single = _update(list(range(8)))  # one process encodes shared prompts once; the ranks pack each with its response
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "params.pt"), fsdp), nprocs=2, join=True)
     double = torch.load(tmp_path / "params.pt")
     start = {**_model().state_dict(), **{f"critic.{k}": v for k, v in _critic().state_dict().items()}}

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from vineppo import cli
 from vineppo import config as configs
 from vineppo import parallel
-from vineppo.ppo import UpdateConfig, pack, ppo_update, token_logprobs
+from vineppo.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs
 from vineppo.prompts import saved_format
 from vineppo.train import train
 
@@ -53,6 +53,67 @@ def test_log_probs_are_those_of_each_sequence_alone_and_the_head_sees_only_respo
         logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)] / 0.7
         want = F.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         assert torch.allclose(logp[i, :len(r)], want, atol=1e-6)
+
+
+# ------------------------------------------------------------------ shared prompts
+
+GROUPED = [[1, 2, 3, 4, 5]] * 3 + [[6, 7]] * 2 + [[8, 9, 10]]  # 6 responses to 3 prompts
+ANSWERS = [[11, 12], [13, 14, 15, 16, 17], [18], [19, 20, 21], [22], [23, 24]]
+
+
+def _scored(model, share: bool) -> tuple:
+    """Log-probs, entropies, gradients and embedded token count of one forward+backward over GROUPED/ANSWERS."""
+    tokens = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
+    model.zero_grad()
+    b = pack(GROUPED, ANSWERS, 0, share=share)
+    logp, entropy = token_logprobs(model, b, 0.7)
+    ((logp + 0.1 * entropy) * b.mask).sum().backward()
+    hook.remove()
+    return logp * b.mask, entropy * b.mask, {k: p.grad.clone() for k, p in model.named_parameters()}, sum(tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_shared_prompts_give_each_sequences_own_logprobs_and_gradients(arch):
+    from vineppo.models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, 50, 0, hidden=32, layers=2, heads=4, mlp=64)).train()
+    lp, ent, grads, tokens = _scored(model, share=False)
+    lp_s, ent_s, grads_s, tokens_s = _scored(model, share=True)
+    assert torch.allclose(lp, lp_s, atol=1e-5) and torch.allclose(ent, ent_s, atol=1e-5)
+    for k in grads:
+        assert torch.allclose(grads[k], grads_s[k], atol=1e-5), k
+    assert (tokens, tokens_s) == (6 * (5 + 5), 3 * 5 + 6 * 5)  # each prompt encoded once, not once per response
+
+
+def test_prompts_are_not_shared_under_activation_checkpointing():
+    from vineppo.ppo import can_share
+
+    model = _model()
+    assert can_share(model)
+    parallel.wrap(model, torch.device("cpu"), fsdp=False, checkpointing=True)  # it would drop the prompts' cache
+    assert not can_share(model)
+
+
+def test_an_update_with_shared_prompts_lands_where_the_plain_one_does(monkeypatch):
+    from vineppo import ppo
+
+    weights = []
+    for share in (True, False):
+        monkeypatch.setattr(ppo, "can_share", lambda model: share)
+        policy, reference = _model(), _model().requires_grad_(False)
+        advantages = [torch.linspace(-1, 1, len(r)) for r in ANSWERS]
+        opt = torch.optim.SGD(policy.parameters(), lr=0.5)  # steps proportional to the gradients
+        cfg = UpdateConfig(epochs=2, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7,
+                           grad_clip=1.0, value_clip=0.2)
+        ppo_update(Learner(policy, reference, opt), Rollouts(GROUPED, ANSWERS, advantages, 0), cfg,
+                   torch.Generator().manual_seed(0))
+        weights.append(policy.state_dict())
+    moved = max(float((weights[0][k] - w).abs().max()) for k, w in _model().state_dict().items())
+    assert moved > 1e-3
+    for k in weights[0]:
+        assert torch.allclose(weights[0][k], weights[1][k], atol=1e-6), k
 
 
 # ------------------------------------------------------------------ gradient checkpointing, bf16
@@ -118,7 +179,8 @@ def test_lora_reference_is_the_base_model_exactly_and_only_adapters_train():
     g = torch.Generator().manual_seed(0)
     advantages = [torch.randn(len(r), generator=g) for r in RESPONSES]
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
-    ppo_update(policy, lora.AdaptersOff(policy), opt, PROMPTS, RESPONSES, advantages, CFG, 0, torch.Generator())
+    ppo_update(Learner(policy, lora.AdaptersOff(policy), opt), Rollouts(PROMPTS, RESPONSES, advantages, 0), CFG,
+               torch.Generator())
     changed = {k for k, v in policy.named_parameters() if not torch.equal(v, before[k])}
     assert changed and all("lora_" in k for k in changed)  # only adapter weights moved
     assert all(not p.requires_grad for k, p in policy.named_parameters() if "lora_" not in k)

@@ -138,7 +138,8 @@ def test_dropout_off_in_rl_update(tiny_sft, tmp_path, monkeypatch):
     out = tmp_path / "run"  # one optimiser step per iteration, so the logged KL is measured before it
     train(_cfg(model, out, algo="ppo", iterations=1, epochs=1, minibatch=16, micro_batch=8, eval_problems=0))
     off = (torch.cat(ratios[:2]) - 1).abs().max().item()  # the two micro-batches of the first minibatch
-    assert off < 1e-6, f"first-minibatch ratios differ from 1 by up to {off}: dropout is on"
+    # the old log-probs are the engine's sampling ones: equal to float rounding (dropout 0.1 moves ratios by ~0.1)
+    assert off < 1e-4, f"first-minibatch ratios differ from 1 by up to {off}: dropout is on"
     kl = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["kl"]
     assert kl < 1e-6, f"KL to the reference before any step is {kl}: dropout is on"
 

@@ -28,7 +28,7 @@ from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator, groups
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
-from vineppo.ppo import UpdateConfig, aligned, mean_std, pack, ppo_update, token_logprobs, whiten
+from vineppo.ppo import Learner, Rollouts, UpdateConfig, aligned, mean_std, pack, ppo_update, token_logprobs, whiten
 
 
 @dataclass
@@ -106,20 +106,33 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     for net in (ctx.policy, ctx.critic):  # gradient checkpointing acts in training mode only
         if net is not None:
             net.train()
-    stats = ppo_update(ctx.policy, ctx.reference, ctx.optimizer, [ep.prompt_ids for ep in episodes],
-                       [ep.response_ids for ep in episodes], advantages, update_cfg, ctx.tokenizer.pad_token_id,
-                       ctx.order_generator, ctx.critic, ctx.critic_opt, credit.returns, credit.values,
-                       ids=_global_ids(episodes, cfg.samples_per_prompt))
+    old = [torch.tensor(ep.logprobs) for ep in episodes] if sampler_logprobs(ctx, episodes) else None
+    data = Rollouts([ep.prompt_ids for ep in episodes], [ep.response_ids for ep in episodes], advantages,
+                    ctx.tokenizer.pad_token_id, credit.returns, credit.values, old,
+                    _global_ids(episodes, cfg.samples_per_prompt))
+    stats = ppo_update(Learner(ctx.policy, ctx.reference, ctx.optimizer, ctx.critic, ctx.critic_opt), data, update_cfg,
+                       ctx.order_generator)
     for net in (ctx.policy, ctx.critic):
         if net is not None:
             net.eval()
+    gap = max(dist.all_gather_objects(stats.pop("logprob_gap")))
     stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
+    if old is not None:
+        metrics["logprob_gap"] = gap
     tok = max(stats["tokens"], 1.0)
     metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
                     "entropy": stats["entropy"] / tok, "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
     if ctx.critic is not None:
         metrics["value_loss"] = stats["value_loss"] / tok
     return metrics
+
+
+def sampler_logprobs(ctx: Context, episodes: list[Episode]) -> bool:
+    """True when the episodes' sampling log-probs are the update's old log-probs: the native engine sampled them
+    from the policy itself at the update's temperature, in float32 (bf16 autocast would make them differ)."""
+    return (getattr(ctx.engine, "logprobs_are_the_policys", False) and ctx.cfg.dtype == "float32"
+            and ctx.cfg.sample_from == "policy"
+            and all(ep.logprobs is not None and len(ep.logprobs) == len(ep.response_ids) for ep in episodes))
 
 
 def free_engine(ctx: Context) -> None:

@@ -31,6 +31,7 @@ class Episode:
     answer: str  # reference answer, for grading Monte Carlo continuations
     steps: list[tuple[int, int]]  # token ranges [start, end) of the reasoning steps in response_ids
     truncated: bool = False
+    logprobs: list[float] | None = None  # the engine's log-probs of response_ids when sampled (see Sample.logprobs)
 
 
 @dataclass

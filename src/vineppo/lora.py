@@ -59,6 +59,10 @@ class AdaptersOff:
         with self.policy.disable_adapter():
             return self.policy(**inputs)
 
+    def modules(self):
+        """The policy's modules (what vineppo.ppo.can_share and parallel.pretrained look through)."""
+        return self.policy.modules()
+
 
 def load_adapters(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """Load adapter weights saved by peft into `model`; (adapter keys not in `weights`, keys of `weights` unused)."""

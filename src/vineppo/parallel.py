@@ -34,7 +34,7 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype: the autocast 
 def wrap(model: nn.Module, device: torch.device, fsdp: bool, checkpointing: bool = False) -> nn.Module:
     """The module to run the update through: `model` sharded (FSDP2, in place), replicated (DDP) or as it is."""
     if checkpointing:
-        _checkpoint_activations(_pretrained(model))
+        _checkpoint_activations(pretrained(model))
     if not dist.active():
         return model
     if fsdp:
@@ -42,7 +42,7 @@ def wrap(model: nn.Module, device: torch.device, fsdp: bool, checkpointing: bool
         blocks = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or []}
         layers = [m for m in model.modules() if type(m).__name__ in blocks]
         if not layers:
-            raise UserError(f"--fsdp: cannot find the decoder layers of {type(_pretrained(model)).__name__}")
+            raise UserError(f"--fsdp: cannot find the decoder layers of {type(pretrained(model)).__name__}")
         for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -72,7 +72,7 @@ def _sum_hook(group, bucket):  # unannotated: DDP refuses the string annotations
     return fut.then(lambda f: f.value()[0])
 
 
-def _pretrained(model: nn.Module) -> nn.Module:
+def pretrained(model: nn.Module) -> nn.Module:
     """The outermost transformers model inside `model` (itself, a Critic's body, or a LoRA model's base)."""
     from transformers import PreTrainedModel
 

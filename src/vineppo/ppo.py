@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,20 @@ import torch.nn.functional as F
 
 from vineppo import distributed as dist
 from vineppo import parallel
+
+
+@dataclass
+class Prompts:
+    """A batch's distinct prompts, left-padded, and which one each row continues: each is encoded once and its
+    keys and values are shared by every response to it (a group's 8 responses: about half the update's tokens)."""
+
+    input_ids: torch.Tensor  # [U, P]
+    attention_mask: torch.Tensor  # [U, P]
+    rows: torch.Tensor  # [B] the prompt of each row
+
+    def to(self, device: torch.device) -> Prompts:
+        """These prompts on `device`."""
+        return Prompts(self.input_ids.to(device), self.attention_mask.to(device), self.rows.to(device))
 
 
 @dataclass
@@ -26,11 +41,13 @@ class Batch:
     mask: torch.Tensor  # [B, R] 1 on response tokens
     advantages: torch.Tensor  # [B, R]
     returns: torch.Tensor  # [B, R] (zeros without a critic)
+    prompts: Prompts | None = None  # set: token_logprobs encodes each distinct prompt once
 
     def to(self, device: torch.device) -> Batch:
         """This batch with every tensor on `device`."""
         return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.mask,
-                                              self.advantages, self.returns)))
+                                              self.advantages, self.returns)),
+                     self.prompts.to(device) if self.prompts is not None else None)
 
     def scored(self) -> torch.Tensor:
         """The positions whose outputs predict the response columns: P-1 .. P+R-2."""
@@ -39,8 +56,10 @@ class Batch:
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-         advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None) -> Batch:
-    """Pack prompt+response sequences, responses aligned at one column, per-response-token values placed on them.
+         advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None,
+         share: bool = False) -> Batch:
+    """Pack prompt+response sequences, responses aligned at one column, per-response-token values placed on them;
+    `share`: also the distinct prompts (Prompts), for models that can take them as a KV cache (`can_share`).
 
     No episodes give one masked-out row: a rank with nothing to do in a micro-batch still runs the forward
     and backward passes that sharded (FSDP) and replicated (DDP) models need every rank to take part in."""
@@ -61,7 +80,22 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
         if returns is not None:
             ret[i, : len(r)] = returns[i]
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    return Batch(ids, attn, positions, mask, adv, ret)
+    if not share:
+        return Batch(ids, attn, positions, mask, adv, ret)
+    distinct: dict[tuple[int, ...], int] = {}
+    rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
+    width = max(map(len, distinct))
+    p_ids, p_attn = torch.full((len(distinct), width), pad_id, dtype=torch.long), torch.zeros((len(distinct), width),
+                                                                                             dtype=torch.long)
+    for u, p in enumerate(distinct):
+        p_ids[u, width - len(p):], p_attn[u, width - len(p):] = torch.tensor(p), 1
+    return Batch(ids, attn, positions, mask, adv, ret, Prompts(p_ids, p_attn, rows))
+
+
+def can_share(model: nn.Module) -> bool:
+    """True when `model` can score a Batch with shared prompts: one process (DDP and FSDP see one forward per
+    backward) and no activation checkpointing (transformers drops the KV cache of a checkpointed layer)."""
+    return not dist.active() and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
 def token_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +103,37 @@ def token_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[
 
     The LM head runs only on the scored positions (`logits_to_keep`): with a 50k vocabulary, logits for the
     prompt would be the largest tensor of the update."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                logits_to_keep=batch.scored())
-    logp_all = F.log_softmax(out.logits.float() / temperature, dim=-1)
+    if batch.prompts is not None:
+        logits = _shared_prompt_logits(model, batch)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                       logits_to_keep=batch.scored(), use_cache=False).logits
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
     targets = batch.input_ids[:, -batch.mask.shape[1]:]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def _shared_prompt_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The logits of token_logprobs in two passes: the distinct prompts, then every response on its prompt's keys
+    and values (indexed per row, so gradients flow back to the shared prompt pass), exactly as one pass would."""
+    from transformers import DynamicCache  # transformers is imported lazily throughout (vineppo.models)
+
+    sp, R = batch.prompts, batch.mask.shape[1]
+    hf = parallel.pretrained(model)
+    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.2x
+    cache = DynamicCache(config=hf.config)
+    head = model(input_ids=sp.input_ids, attention_mask=sp.attention_mask, use_cache=True, **{kw: cache},
+                 position_ids=(sp.attention_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1).logits[:, -1]
+    shared = DynamicCache(config=hf.config)
+    for i, layer in enumerate(cache.layers):
+        shared.update(layer.keys[sp.rows], layer.values[sp.rows], i)
+    attention = torch.cat([sp.attention_mask[sp.rows], batch.mask.long()], 1)
+    positions = sp.attention_mask.sum(1)[sp.rows, None] + torch.arange(R, device=attention.device)
+    body = model(input_ids=batch.input_ids[:, -R:], attention_mask=attention, position_ids=positions,
+                 use_cache=True, logits_to_keep=torch.arange(R - 1, device=attention.device), **{kw: shared})
+    return torch.cat([head[sp.rows, None], body.logits], 1)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
@@ -172,34 +230,50 @@ class UpdateConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast; see vineppo.parallel)
 
 
-def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
-               responses: list[list[int]], advantages: list[torch.Tensor], cfg: UpdateConfig, pad_id: int,
-               generator: torch.Generator, critic: Critic | None = None,
-               critic_optimizer: torch.optim.Optimizer | None = None, returns: list[torch.Tensor] | None = None,
-               old_values: list[torch.Tensor] | None = None, ids: list[int] | None = None) -> dict[str, float]:
+@dataclass
+class Rollouts:
+    """One update's episodes (this rank's share), as lists indexed alike."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    advantages: list[torch.Tensor]  # per response token
+    pad_id: int
+    returns: list[torch.Tensor] | None = None  # critic targets per token (PPO)
+    old_values: list[torch.Tensor] | None = None  # the critic's values when the episodes were scored (PPO)
+    old_logprobs: list[torch.Tensor] | None = None  # the sampler's log-probs of the responses (None: recomputed)
+    ids: list[int] | None = None  # the episodes' global indices 0..N-1 over all ranks (None: this rank holds all)
+
+
+@dataclass
+class Learner:
+    """What an update trains: the policy and its optimiser, the frozen KL reference, an optional critic."""
+
+    policy: nn.Module
+    reference: nn.Module
+    optimizer: torch.optim.Optimizer
+    critic: Critic | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+
+
+def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torch.Generator) -> dict[str, float]:
     """`cfg.epochs` passes of clipped-PPO minibatch steps over this rank's episodes; returns summed statistics.
 
-    `ids` are the episodes' global indices 0..N-1 over all ranks (default: this rank holds them all). Each
-    minibatch is a slice of one permutation of the global ids, every rank working on its own members; the
+    Each minibatch is a slice of one permutation of the global ids, every rank working on its own members; the
     loss is divided by the minibatch's token count over all ranks and gradients are summed across ranks
-    (models wrapped by `parallel.wrap`), so N processes take the same step as one.
+    (models wrapped by `parallel.wrap`), so N processes take the same step as one. Old log-probs come from
+    `data.old_logprobs` when the sampler gave them (the same weights and temperature: one forward pass fewer);
+    `logprob_gap` then reports their largest difference from the trainer's own, measured before the first step.
     """
+    policy, critic, optimizer, critic_optimizer = nets.policy, nets.critic, nets.optimizer, nets.critic_optimizer
+    prompts, responses, advantages, returns = data.prompts, data.responses, data.advantages, data.returns
     device = next(policy.parameters()).device
-    n = len(prompts)
-    old_logp, ref_logp = {}, {}
-    with torch.no_grad(), parallel.autocast(device, cfg.dtype):  # log-probs before the update, and under the reference
-        for idx in aligned(_micro_batches(list(range(n)), cfg.micro_batch)):
-            b = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id).to(device)
-            old, _ = token_logprobs(policy, b, cfg.temperature)
-            ref, _ = token_logprobs(reference, b, cfg.temperature)
-            for j, i in enumerate(idx):
-                old_logp[i], ref_logp[i] = old[j], ref[j]
+    share = can_share(policy)
+    old_logp, ref_logp = _before_update(nets, data, cfg, device)
     # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
-    ids = list(range(n)) if ids is None else ids
-    local = {g: i for i, g in enumerate(ids)}
-    n_global = int(dist.all_sum([float(n)])[0])
+    local = {g: i for i, g in enumerate(range(len(prompts)) if data.ids is None else data.ids)}
+    n_global = int(dist.all_sum([float(len(prompts))])[0])
     totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0, "value_loss": 0.0,
-              "grad_norm": 0.0, "steps": 0.0}
+              "grad_norm": 0.0, "steps": 0.0, "logprob_gap": 0.0}
     for _ in range(cfg.epochs):
         order = torch.randperm(n_global, generator=generator).tolist()
         for start in range(0, n_global, cfg.minibatch):
@@ -208,10 +282,10 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
             optimizer.zero_grad(set_to_none=True)
             if critic_optimizer is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-            micro = aligned(_micro_batches(mb, cfg.micro_batch))
+            micro = aligned(_micro_batches(_by_prompt(mb, prompts), cfg.micro_batch))
             for k, idx in enumerate(micro):
-                b = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id,
-                         [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None)
+                b = pack([prompts[i] for i in idx], [responses[i] for i in idx], data.pad_id,
+                         [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share)
                 b = b.to(device)
                 old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
                 ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
@@ -221,6 +295,9 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
                         logp, entropy = token_logprobs(policy, b, cfg.temperature)
                     loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
                     loss.backward()
+                if data.old_logprobs is not None and totals["steps"] == 0 and b.mask.any():  # still the sampler
+                    gap = float(((logp.detach() - old).abs() * b.mask).max())
+                    totals["logprob_gap"] = max(totals["logprob_gap"], gap)
                 totals["loss"] += float(loss.detach()) * n_tok
                 totals["kl"] += stats["kl"]
                 totals["clipped"] += stats["clipped"]
@@ -230,7 +307,7 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
                     with parallel.no_sync(critic, sync):
                         with parallel.autocast(device, cfg.dtype):
                             v = critic(b)
-                        ov = _pad_values([old_values[i] for i in idx], b.mask, device)
+                        ov = _pad_values([data.old_values[i] for i in idx], b.mask, device)
                         vl = value_loss(v, ov, b.returns, b.mask, cfg.value_clip, n_tok)
                         vl.backward()
                     totals["value_loss"] += float(vl.detach()) * n_tok
@@ -247,10 +324,34 @@ def ppo_update(policy: nn.Module, reference: nn.Module, optimizer: torch.optim.O
     return totals
 
 
+def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: torch.device) -> tuple[dict, dict]:
+    """Per-episode log-probs under the policy before the update (unless the sampler gave them) and the reference."""
+    given = data.old_logprobs is not None
+    old_logp = {i: lp.to(device) for i, lp in enumerate(data.old_logprobs)} if given else {}
+    ref_logp = {}
+    share = can_share(nets.policy) and can_share(nets.reference)
+    with torch.no_grad(), parallel.autocast(device, cfg.dtype):
+        for idx in aligned(_micro_batches(_by_prompt(list(range(len(data.prompts))), data.prompts), cfg.micro_batch)):
+            b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id,
+                     share=share).to(device)
+            if not given:
+                old, _ = token_logprobs(nets.policy, b, cfg.temperature)
+                old_logp.update((i, old[j]) for j, i in enumerate(idx))
+            ref, _ = token_logprobs(nets.reference, b, cfg.temperature)
+            ref_logp.update((i, ref[j]) for j, i in enumerate(idx))
+    return old_logp, ref_logp
+
+
 def aligned(batches: list[list[int]]) -> list[list[int]]:
     """Pad with empty micro-batches to the most any rank has: every rank must join every forward and backward."""
     most = max(dist.all_gather_objects(len(batches)))
     return batches + [[] for _ in range(most - len(batches))]
+
+
+def _by_prompt(indices: list[int], prompts: list[list[int]]) -> list[int]:
+    """`indices` ordered by prompt length, then prompt: less padding, and a prompt's responses share micro-batches
+    (a minibatch's gradient is the sum over its micro-batches, whatever their make-up)."""
+    return sorted(indices, key=lambda i: (len(prompts[i]), prompts[i]))
 
 
 def _micro_batches(indices: list[int], size: int) -> list[list[int]]:

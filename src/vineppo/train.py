@@ -269,7 +269,7 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
     offsets = token_char_offsets(tokenizer, sample.token_ids)
     steps = step_token_ranges(task.split_steps(sample.text), offsets)
     return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex.answer, steps,
-                   sample.finish_reason != "stop")
+                   sample.finish_reason != "stop", list(sample.logprobs))
 
 
 def _informative(episodes: list[Episode], keep: int) -> list[Episode]:

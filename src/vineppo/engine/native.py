@@ -54,6 +54,8 @@ EXTRA_COLUMNS = 64  # a cache buffer has room for this many steps (at most max_n
 class Engine:
     """The native rollout engine (see the module docstring); samples from ``model`` itself, so weights are never stale."""
 
+    logprobs_are_the_policys = True  # Sample.logprobs: log_softmax(logits / T) of ``model``, what PPO's ratio needs
+
     def __init__(self, model, tokenizer, token_budget: int = 65536):
         self.model = model
         self.tokenizer = tokenizer

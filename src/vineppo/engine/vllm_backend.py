@@ -66,6 +66,8 @@ def import_vllm():
 class VLLMEngine:
     """The rollout interface on vLLM (see the module docstring)."""
 
+    logprobs_are_the_policys = False  # its log-probs are at T = 1, from its own copy of the weights
+
     def __init__(self, model, tokenizer, model_dir: str | None, token_budget: int = 65536):
         if not model_dir:
             raise ValueError("the vLLM engine loads the model from a folder: pass model_dir")
