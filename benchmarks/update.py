@@ -17,8 +17,8 @@ Reports (medians over --repeats, each repeat on the same sampled responses)
 - fraction_of_limit = update / limit;
 - iteration: completion tokens / (sampling + update) seconds, the figure TRL's script prints;
 - trl: when `trl` is importable (or --trl-python names a venv's python that has it), the peer script
-  `trl_grpo.py` of ../shared/peers is run on the same model and its completion tokens/s reported beside
-  ours (trl_over_vineppo).
+  `trl_grpo.py` of ../shared/peers is run on the same model, once before each of our repeats (alternating),
+  and the median of its completion tokens/s reported beside ours (vineppo_over_trl).
 """
 
 from __future__ import annotations
@@ -135,8 +135,12 @@ def main() -> None:
     cfg, task, prompter, ctx = setup(args.model)
     episodes, _ = sample(cfg, task, prompter, ctx, seed=99)  # warm-up of the engine and the update
     time_update(episodes, ctx)
-    rows = []
-    for r in range(args.repeats):
+    trl_python = args.trl_python or (sys.executable if importlib.util.find_spec("trl") else None)
+    with_trl = bool(trl_python) and Path(args.trl_script).exists()
+    rows, trl_runs = [], []
+    for r in range(args.repeats):  # alternating with the peer's runs: drift over minutes hits both alike
+        if with_trl:
+            trl_runs.append(run_trl(args.model, trl_python, Path(args.trl_script), threads))
         episodes, sampling = sample(cfg, task, prompter, ctx, seed=r)
         tokens = sum(len(ep.response_ids) for ep in episodes)
         update, limit = time_update(episodes, ctx), time_limit(episodes, ctx, can_share(ctx.policy))
@@ -150,11 +154,10 @@ def main() -> None:
                iteration_tokens_per_s=statistics.median(r["tokens"] / (r["sampling_s"] + r["update_s"]) for r in rows),
                sampling_s=med["sampling_s"], update_s=med["update_s"])
     out["fraction_of_limit"] = out["update_tokens_per_s"] / out["limit_tokens_per_s"]
-    trl_python = args.trl_python or (sys.executable if importlib.util.find_spec("trl") else None)
-    if trl_python and Path(args.trl_script).exists():
-        trl = run_trl(args.model, trl_python, Path(args.trl_script), threads)
-        if trl:
-            out.update(trl_tokens_per_s=trl, vineppo_over_trl=out["iteration_tokens_per_s"] / trl)
+    if with_trl and all(trl_runs):
+        trl = statistics.median(trl_runs)
+        out.update(trl_tokens_per_s=trl, trl_runs_tokens_per_s=trl_runs,
+                   vineppo_over_trl=out["iteration_tokens_per_s"] / trl)
     if args.json:
         print(json.dumps(out))
         return
