@@ -20,8 +20,8 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_sft(tmp_path_factory) -> Path:
     """A 2-layer Llama fine-tuned briefly on arith: it writes the format and ends with EOS, mostly wrong."""
-    from vineppo.sft import run_sft
+    from vineppo.sft import SFTConfig, run_sft
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("models") / "tiny-sft"
-    return run_sft("arith", out=out, max_steps=150, batch_size=16, lr=3e-3, hidden=64, layers=2, progress=False)
+    return run_sft(SFTConfig("arith", out=out, max_steps=150, batch_size=16, lr=3e-3, hidden=64, layers=2, progress=False))

@@ -9,7 +9,7 @@ from vineppo.engine import Engine
 from vineppo.errors import UserError
 from vineppo.models import tiny_config, train_tokenizer
 from vineppo.prompts import SAVED, Prompter, save_format
-from vineppo.sft import collate, run_sft, tokenize_examples
+from vineppo.sft import SFTConfig, collate, run_sft, tokenize_examples
 from vineppo.tasks import Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
@@ -93,8 +93,8 @@ def test_bad_format_in_a_train_config_is_refused_before_anything_loads():
 
 
 def test_sft_records_the_format_and_eval_reuses_it(tmp_path, plain_tok):
-    out = run_sft("arith-mini-prompts", out=tmp_path / "sft", max_steps=1, batch_size=4, hidden=16, layers=1,
-                  prompt_format="fewshot:1", progress=False)
+    out = run_sft(SFTConfig("arith-mini-prompts", out=tmp_path / "sft", max_steps=1, batch_size=4, hidden=16,
+                            layers=1, prompt_format="fewshot:1", progress=False))
     assert json.loads((out / SAVED).read_text()) == {"prompt_format": "fewshot:1"}
     assert Prompter(MINI, plain_tok, None, model=out).format == "fewshot:1"  # no flag: the recorded format
     assert Prompter(MINI, plain_tok, "plain", model=out).format == "plain"  # a flag overrides it

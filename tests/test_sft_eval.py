@@ -11,7 +11,7 @@ from vineppo import cli
 from vineppo.errors import UserError
 from vineppo.evaluate import evaluate, first_error_step
 from vineppo.models import load_model
-from vineppo.sft import ensure_sft_model, run_sft
+from vineppo.sft import SFTConfig, ensure_sft_model, run_sft
 from vineppo.tasks import Example, Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sft(out, arch="llama", steps=6, seed=0, **kw):
-    return run_sft("arith-mini", out=out, arch=arch, max_steps=steps, batch_size=16, seed=seed, device="cpu",
-                   log_every=1, progress=False, **SIZE, **kw)
+    return run_sft(SFTConfig("arith-mini", out=out, arch=arch, max_steps=steps, batch_size=16, seed=seed,
+                             device="cpu", log_every=1, progress=False, **SIZE, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +74,11 @@ def test_other_architectures_sft_and_eval(tmp_path, arch):
 def test_bad_input_one_line_errors(tiny, tmp_path):
     model, tok = load_model(tiny, verbose=False)
     with pytest.raises(UserError, match="unknown task"):
-        run_sft("no-such-task", out=tmp_path / "x")
+        run_sft(SFTConfig("no-such-task", out=tmp_path / "x"))
     with pytest.raises(UserError, match="empty"):
         evaluate(model, tok, MINI, [])
     with pytest.raises(UserError, match="empty"):
-        run_sft("arith-empty", out=tmp_path / "e", progress=False, **SIZE)
+        run_sft(SFTConfig("arith-empty", out=tmp_path / "e", progress=False, **SIZE))
     model.config.max_position_embeddings = 20
     with pytest.raises(UserError, match="context is 20"):
         evaluate(model, tok, MINI, MINI.load("test", None, 0)[:1], samples=1)
@@ -187,7 +187,7 @@ def test_sft_help_states_current_defaults(capsys):
 
 
 def test_sft_prints_progress_lines_when_output_is_not_a_terminal(tmp_path, capsys):
-    run_sft("arith-mini", out=tmp_path / "m", max_steps=40, batch_size=16, device="cpu", progress=True, **SIZE)
+    run_sft(SFTConfig("arith-mini", out=tmp_path / "m", max_steps=40, batch_size=16, device="cpu", progress=True, **SIZE))
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("sft: step")]
     assert len(lines) == 20 and lines[-1].startswith("sft: step 40/40 (100%)")
     assert "tok/s" in lines[0] and "left" in lines[0]

@@ -187,11 +187,11 @@ def test_building_the_engine_keeps_the_process_rng_and_threads(tiny):
 @pytest.fixture(scope="module")
 def sft_h32(tmp_path_factory):
     """A tiny arith SFT model whose head size vLLM's CPU attention supports (hidden 128, 4 heads)."""
-    from vineppo.sft import run_sft
+    from vineppo.sft import SFTConfig, run_sft
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("models") / "tiny-sft-h32"
-    return run_sft("arith", out=out, max_steps=150, batch_size=16, lr=3e-3, hidden=128, layers=2, progress=False)
+    return run_sft(SFTConfig("arith", out=out, max_steps=150, batch_size=16, lr=3e-3, hidden=128, layers=2, progress=False))
 
 
 @real_vllm

@@ -18,6 +18,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ def ensure_sft_model(task: str, out: str | Path | None = None, **hyperparams) ->
     out = Path(out) if out is not None else default_sft_dir(task)
     if is_saved_model(out):
         return out
-    return run_sft(task, out=out, **hyperparams)
+    return run_sft(SFTConfig(task, out=out, **hyperparams))
 
 
 def tokenize_examples(prompter: Prompter, examples, max_len: int) -> list[tuple[list[int], int]]:
@@ -138,25 +139,48 @@ def save_atomic(model, tokenizer, tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, data: str | None = None,
-            epochs: float | None = None, lr: float | None = None, batch_size: int | None = None,
-            max_steps: int | None = None, warmup: float | None = None, seed: int = 0, device: str | None = None,
-            bf16: bool | None = None, arch: str = "llama", hidden: int | None = None, layers: int | None = None,
-            grad_checkpointing: bool = False, log_every: int = 10, progress: bool = True,
-            prompt_format: str | None = None) -> Path:
-    """Fine-tune `model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
+@dataclass
+class SFTConfig:
+    """The settings of one `vineppo sft` run; None takes the tiny or pretrained default (TINY_DEFAULTS, ...)."""
+
+    task: str = "arith"  # task registry name
+    model: str = "tiny"  # hub id, folder, .gguf file, or 'tiny' (build the small CPU model from scratch)
+    out: str | Path | None = None  # output folder (None: runs/sft-<task>)
+    data: str | None = None  # data file for tasks that read one
+    epochs: float | None = None  # passes over the data
+    lr: float | None = None  # peak learning rate (AdamW, warmup then cosine decay to 10%)
+    batch_size: int | None = None  # examples per step
+    max_steps: int | None = None  # stop after this many steps (overrides epochs)
+    warmup: float | None = None  # warmup fraction of the steps
+    seed: int = 0  # initialisation, tokenizer data and batch order
+    device: str | None = None  # cpu, cuda or cuda:N (None: cuda if available)
+    bf16: bool | None = None  # bfloat16 autocast (None: on for CUDA GPUs that support it)
+    arch: str = "llama"  # tiny model architecture: llama, qwen2 or gpt2
+    hidden: int | None = None  # tiny model width
+    layers: int | None = None  # tiny model depth
+    grad_checkpointing: bool = False  # recompute activations in the backward pass (large models)
+    log_every: int = 10  # steps between rows of metrics.jsonl
+    progress: bool = True  # a progress bar on a terminal, progress lines otherwise
+    prompt_format: str | None = None  # plain, chat, fewshot:N or auto (recorded in the output folder)
+
+
+def run_sft(cfg: SFTConfig) -> Path:
+    """Fine-tune `cfg.model` (hub id, folder, or 'tiny' = build from scratch) on the task's train split; returns the output folder."""
+    task_name, model, data, seed = cfg.task, cfg.model, cfg.data, cfg.seed
+    lr, epochs, batch_size, max_steps, warmup = cfg.lr, cfg.epochs, cfg.batch_size, cfg.max_steps, cfg.warmup
+    hidden, layers, prompt_format = cfg.hidden, cfg.layers, cfg.prompt_format
     configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
                              hidden=hidden, layers=layers), RULES)
     task = get_task(task_name)
-    out = Path(out) if out is not None else default_sft_dir(task_name)
-    dev = pick_device(device)
+    out = Path(cfg.out) if cfg.out is not None else default_sft_dir(task_name)
+    dev = pick_device(cfg.device)
     check_format(prompt_format or "auto")  # a bad flag or file fails before a model loads
     examples = task.load("train", data, seed)
     if not examples:
         raise UserError(f"task {task_name!r}: the training set is empty")
     torch.manual_seed(seed)
     if model == "tiny":
-        net, tokenizer = tiny_model(task, seed=seed, arch=arch, data=data, hidden=hidden, layers=layers)
+        net, tokenizer = tiny_model(task, seed=seed, arch=cfg.arch, data=data, hidden=hidden, layers=layers)
         net.to(dev)
         defaults = TINY_DEFAULTS
     else:
@@ -164,7 +188,7 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
         defaults = PRETRAINED_DEFAULTS
     hp = {k: v if v is not None else defaults[k] for k, v in
           dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
-    use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if bf16 is None else bf16
+    use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if cfg.bf16 is None else cfg.bf16
 
     prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
     items = tokenize_examples(prompter, examples, context_length(net))
@@ -173,15 +197,13 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
     if len(items) < len(examples):  # never a silent skip: say how many did not fit
         print(f"sft: {len(examples) - len(items)} of {len(examples)} examples are longer than the model's context "
               f"({context_length(net)} tokens) and are left out", file=sys.stderr)
-    rng = random.Random(seed)
-    lengths = [len(ids) for ids, _ in items]
     per_epoch = math.ceil(len(items) / hp["batch_size"])
     total = max_steps if max_steps is not None else math.ceil(per_epoch * hp["epochs"])
     if total < 1:
         raise UserError("--max-steps must be at least 1")
     warm = max(1, int(hp["warmup"] * total))
 
-    if grad_checkpointing:
+    if cfg.grad_checkpointing:
         net.gradient_checkpointing_enable()
     net.train()
     decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
@@ -191,12 +213,12 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm))
 
     config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
-                  device=str(dev), bf16=use_bf16, arch=arch if model == "tiny" else None,
+                  device=str(dev), bf16=use_bf16, arch=cfg.arch if model == "tiny" else None,
                   prompt_format=prompter.format, **hp)
     t0 = time.time()
     tmp = temp_dir(out)
     try:
-        _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, log_every, progress, tmp, opt, sched)
+        _train(Loop(net, opt, sched, items, hp["batch_size"], total, tokenizer.pad_token_id, dev, use_bf16), cfg, tmp)
         config["time_s"] = round(time.time() - t0, 1)
         (tmp / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_format(tmp, prompter.format)
@@ -206,9 +228,26 @@ def run_sft(task_name: str, model: str = "tiny", out: str | Path | None = None, 
     return out
 
 
-def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, log_every, progress, tmp, opt,
-           sched) -> None:
+@dataclass
+class Loop:
+    """What the SFT loop works on."""
+
+    net: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    items: list[tuple[list[int], int]]  # (token ids, prompt length) per example
+    batch_size: int
+    total: int  # optimiser steps
+    pad_id: int
+    device: torch.device
+    bf16: bool  # bfloat16 autocast
+
+
+def _train(loop: Loop, cfg: SFTConfig, tmp: Path) -> None:
     """The training loop; metrics go to tmp/metrics.jsonl as it runs."""
+    net, opt, sched, items, total, dev = loop.net, loop.opt, loop.sched, loop.items, loop.total, loop.device
+    progress, log_every = cfg.progress, cfg.log_every
+    rng, lengths = random.Random(cfg.seed), [len(ids) for ids, _ in items]
     batches: list[list[int]] = []
     t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
     bar = _progress(progress)
@@ -218,9 +257,9 @@ def _train(net, tokenizer, items, lengths, hp, total, warm, rng, dev, use_bf16, 
         job = bar.add_task("sft", total=total, loss=float("nan"), tps=0.0)
         for step in range(total):
             if not batches:
-                batches = length_batches(lengths, hp["batch_size"], rng)
-            batch = {k: v.to(dev) for k, v in collate([items[i] for i in batches.pop()], tokenizer.pad_token_id).items()}
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+                batches = length_batches(lengths, loop.batch_size, rng)
+            batch = {k: v.to(dev) for k, v in collate([items[i] for i in batches.pop()], loop.pad_id).items()}
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=loop.bf16):
                 loss = net(**batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -288,9 +327,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `vineppo sft` from parsed flags."""
-    out = run_sft(args.task, model=args.model, out=args.out, data=args.data, epochs=args.epochs, lr=args.lr,
-                  batch_size=args.batch_size, max_steps=args.max_steps, warmup=args.warmup, seed=args.seed,
-                  device=args.device, bf16=args.bf16, arch=args.arch, hidden=args.hidden, layers=args.layers,
-                  grad_checkpointing=args.grad_checkpointing, prompt_format=args.prompt_format)
+    out = run_sft(SFTConfig(**{f.name: getattr(args, f.name) for f in fields(SFTConfig) if hasattr(args, f.name)}))
     print(f"saved SFT model to {out}")
     return 0
