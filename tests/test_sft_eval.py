@@ -9,7 +9,8 @@ import torch
 
 from vineppo import cli
 from vineppo.errors import UserError
-from vineppo.evaluate import evaluate, first_error_step
+from vineppo.engine import Engine
+from vineppo.evaluate import EvalSettings, evaluate, first_error_step
 from vineppo.models import load_model
 from vineppo.sft import SFTConfig, ensure_sft_model, run_sft
 from vineppo.tasks import Example, Task, get_task, register
@@ -55,8 +56,8 @@ def test_same_seed_same_model(tmp_path):
 def test_evaluate_is_seeded(tiny):
     model, tok = load_model(tiny, verbose=False)
     exs = MINI.load("test", None, 0)
-    r1 = evaluate(model, tok, MINI, exs, samples=3, max_new_tokens=24, seed=5)
-    r2 = evaluate(model, tok, MINI, exs, samples=3, max_new_tokens=24, seed=5)
+    r1 = evaluate(Engine(model, tok), MINI, exs, EvalSettings(samples=3, max_new_tokens=24, seed=5))
+    r2 = evaluate(Engine(model, tok), MINI, exs, EvalSettings(samples=3, max_new_tokens=24, seed=5))
     assert r1 == r2
     assert r1["problems"] == 6 and r1["samples"] == 3 and 0 <= r1["pass@1"] <= 1 and 0 <= r1["greedy"] <= 1
     assert len(r1["results"][0]["sample_texts"]) == 3
@@ -67,7 +68,8 @@ def test_other_architectures_sft_and_eval(tmp_path, arch):
     out = sft(tmp_path / arch, arch=arch, steps=3)
     model, tok = load_model(out, verbose=False)
     assert model.config.model_type == arch
-    res = evaluate(model, tok, MINI, MINI.load("test", None, 0)[:3], samples=2, max_new_tokens=12, seed=0)
+    res = evaluate(Engine(model, tok), MINI, MINI.load("test", None, 0)[:3],
+                   EvalSettings(samples=2, max_new_tokens=12, seed=0))
     assert res["problems"] == 3
 
 
@@ -76,12 +78,12 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
     with pytest.raises(UserError, match="unknown task"):
         run_sft(SFTConfig("no-such-task", out=tmp_path / "x"))
     with pytest.raises(UserError, match="empty"):
-        evaluate(model, tok, MINI, [])
+        evaluate(Engine(model, tok), MINI, [])
     with pytest.raises(UserError, match="empty"):
         run_sft(SFTConfig("arith-empty", out=tmp_path / "e", progress=False, **SIZE))
     model.config.max_position_embeddings = 20
     with pytest.raises(UserError, match="context is 20"):
-        evaluate(model, tok, MINI, MINI.load("test", None, 0)[:1], samples=1)
+        evaluate(Engine(model, tok), MINI, MINI.load("test", None, 0)[:1], EvalSettings(samples=1))
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -124,11 +126,12 @@ def test_first_error_step():
 def test_eval_records_finish_reason_and_parsable(tiny_sft):
     model, tok = load_model(tiny_sft, verbose=False)
     exs = ARITH.load("test", None, 0)[:6]
-    cut = evaluate(model, tok, ARITH, exs, samples=2, max_new_tokens=3, seed=1)  # too short for any answer line
+    too_short = EvalSettings(samples=2, max_new_tokens=3, seed=1)  # too short for any answer line
+    cut = evaluate(Engine(model, tok), ARITH, exs, too_short)
     for row in cut["results"]:
         assert row["sample_finish"] == ["length", "length"] and row["greedy_finish"] == "length"
     assert cut["parsable"] == 0.0
-    res = evaluate(model, tok, ARITH, exs, samples=3, max_new_tokens=64, seed=1)
+    res = evaluate(Engine(model, tok), ARITH, exs, EvalSettings(samples=3, max_new_tokens=64, seed=1))
     reasons = [f for row in res["results"] for f in row["sample_finish"] + [row["greedy_finish"]]]
     assert set(reasons) <= {"stop", "length"} and "stop" in reasons
     for row in res["results"]:
@@ -166,7 +169,7 @@ def test_generators_on_model_device(tiny, monkeypatch):
 
     monkeypatch.setattr(torch, "Generator", spy)
     monkeypatch.setattr(Engine, "generate", generate)
-    evaluate(model, tok, MINI, MINI.load("test", None, 0)[:2], samples=2, max_new_tokens=8)
+    evaluate(Engine(model, tok), MINI, MINI.load("test", None, 0)[:2], EvalSettings(samples=2, max_new_tokens=8))
     assert len(made) == 2 and all(d is not None and torch.device(d) == model.device for d in made), \
         f"generators made with device={made}, not the model's {model.device}"
     assert used == [model.device] * 2

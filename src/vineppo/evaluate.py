@@ -19,6 +19,7 @@ import re
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -80,14 +81,26 @@ def first_error_step(example: Example, response: str) -> tuple[int, str] | None:
     return None
 
 
-def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int = 16, temperature: float = 0.35,
-             top_p: float = 0.9, max_new_tokens: int = 256, seed: int = 0, progress=None,
-             token_budget: int = 65536, prompter: Prompter | None = None, engine=None) -> dict:
+@dataclass
+class EvalSettings:
+    """How `evaluate` samples: `samples` draws per problem for pass@1, plus one greedy draw."""
+
+    samples: int = 16  # samples per problem for pass@1 (0: greedy only)
+    temperature: float = 0.35  # sampling temperature of the pass@1 draws
+    top_p: float = 0.9  # nucleus of the pass@1 draws
+    max_new_tokens: int = 256  # response length cap (cut to the model's context)
+    seed: int = 0  # the draws' generator seed
+
+
+def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings = EvalSettings(),
+             prompter: Prompter | None = None, progress=None) -> dict:
     """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples` (seeded).
 
-    `engine` samples (a vineppo.engine backend for `model`); without it, a native engine of `token_budget`."""
-    from vineppo.engine import Engine, SamplingParams
+    `engine`: a vineppo.engine backend; it holds the model and tokenizer evaluated."""
+    from vineppo.engine import SamplingParams
 
+    model, tokenizer = engine.model, engine.tokenizer
+    samples, max_new_tokens, seed = settings.samples, settings.max_new_tokens, settings.seed
     if not examples:
         raise UserError(f"task {task.name!r}: no problems to evaluate (empty data set)")
     if samples < 0 or max_new_tokens < 1:
@@ -99,12 +112,12 @@ def evaluate(model, tokenizer, task: Task, examples: list[Example], samples: int
         if len(p) >= ctx:
             raise UserError(f"prompt of problem {ex.id!r} is {len(p)} tokens; the model's context is {ctx}")
     max_new_tokens = min(max_new_tokens, ctx - max(len(p) for p in prompts))
-    engine = engine or Engine(model, tokenizer, token_budget=token_budget)
     was_training = model.training
     model.eval()
     sampled = [[] for _ in prompts]
     if samples > 0:
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=task.stop)
+        params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=max_new_tokens,
+                                stop=task.stop)
         sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
                                   progress=progress)
     greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
@@ -214,9 +227,8 @@ def run(args: argparse.Namespace) -> int:
             last[0] = done
 
         start = time.perf_counter()
-        res = evaluate(model, tokenizer, task, examples, samples=args.samples, temperature=args.temperature,
-                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, progress=tick,
-                       prompter=prompter, engine=engine)
+        settings = EvalSettings(args.samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
+        res = evaluate(engine, task, examples, settings, prompter, progress=tick)
         res["tokens_per_s"] = res["tokens"] / (time.perf_counter() - start)  # generated tokens, sampled and greedy
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
     summary = {k: v for k, v in res.items() if k != "results"}

@@ -27,7 +27,7 @@ from vineppo import runs
 from vineppo.algorithms import Context, get_algorithm
 from vineppo.config import TrainConfig
 from vineppo.credit import Episode
-from vineppo.engine import SamplingParams, check_engine, make_engine
+from vineppo.engine import Engine, SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length
@@ -101,18 +101,16 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
 
     def evaluate_now(iteration: int) -> dict[str, float]:
         """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now."""
-        from vineppo.evaluate import evaluate
+        from vineppo.evaluate import EvalSettings, evaluate
 
-        scores = {}
+        scores, engine = {}, eval_engine or Engine(policy, tokenizer, token_budget=cfg.token_budget)
+        settings = EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed + iteration)
         for key, examples in (("test/pass@1", test_set), ("val/pass@1", val_set)):
             if not examples:
                 continue
             mine = examples[dist.rank()::dist.world()]
             with sampling(policy):
-                result = evaluate(policy, tokenizer, task, mine, samples=cfg.eval_samples,
-                                  temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                                  max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + iteration,
-                                  token_budget=cfg.token_budget, prompter=prompter, engine=eval_engine)
+                result = evaluate(engine, task, mine, settings, prompter)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
         return scores
