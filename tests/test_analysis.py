@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from vineppo.analysis import (adaptive_estimate, analyze, group_baselines, mae, mc_estimates,
+from vineppo.analysis import (Study, adaptive_estimate, analyze, group_baselines, mae, mc_estimates,
                               pairwise_ranking_accuracy)
 from vineppo.engine import Sample
 from vineppo.errors import UserError
@@ -107,8 +107,8 @@ def test_analyze_on_fake_engine_hand_computed():
         seen.extend(nodes)
         return [0.5] * len(nodes)
 
-    res = analyze(engine, CharTokenizer(), get_task("arith"), _examples(5), states=16, gt_k=8, ranking_states=2,
-                  alternatives=5, seed=0, max_new_tokens=32, critic_values=critic)
+    res = analyze(engine, CharTokenizer(), get_task("arith"), _examples(5), Study(16, 8, 2, 5, 0, 32),
+                  critic_values=critic)
     assert res["states"] == 16
     # generate once; alternatives in one call (2 states x 5); ONE Monte Carlo call: 16 states + 2 x 4 live alternatives
     assert engine.calls == [(2, [1, 1], 5), (24, [1] * 24, 8 + 13)]
@@ -128,8 +128,7 @@ def test_analyze_on_fake_engine_hand_computed():
 
 
 def test_compute_axis_on_fake_engine_hand_computed():
-    res = analyze(FakeEngine(), CharTokenizer(), get_task("arith"), _examples(5), states=16, gt_k=8, ranking_states=2,
-                  alternatives=5, seed=0, max_new_tokens=32)
+    res = analyze(FakeEngine(), CharTokenizer(), get_task("arith"), _examples(5), Study(16, 8, 2, 5, 0, 32))
     axis = {r["method"]: r for r in res["compute"]}
     # every continuation is '#### 4' or '#### 5' plus EOS: 7 tokens
     assert [axis[m]["tokens_per_state"] for m in ("vineppo_k1", "vineppo_k3", "vineppo_k9")] == [7, 21, 63]
@@ -148,8 +147,7 @@ def test_adaptive_estimate_replays_rounds():
 
 
 def test_analyze_without_critic_reports_none():
-    res = analyze(FakeEngine(), CharTokenizer(), get_task("arith"), _examples(3), states=5, gt_k=8,
-                  ranking_states=1, alternatives=5, seed=1, max_new_tokens=32)
+    res = analyze(FakeEngine(), CharTokenizer(), get_task("arith"), _examples(3), Study(5, 8, 1, 5, 1, 32))
     assert res["states"] == 5
     assert res["mae"]["ppo_critic"] is None and res["ranking_accuracy"]["ppo_critic"] is None
     assert res["mae"]["vineppo_k9"] == pytest.approx(1 / 12)

@@ -243,11 +243,24 @@ def adaptive_estimate(rewards: list[float], tokens: list[int], k_max: int, k_min
 # ------------------------------------------------------------------------------------ the analysis
 
 
-def analyze(engine, tokenizer, task, examples: list, states: int = 64, gt_k: int = 256, ranking_states: int = 16,
-            alternatives: int = 5, seed: int = 0, max_new_tokens: int = 1024,
+@dataclass
+class Study:
+    """The size of one value study (`vineppo analyze-values`)."""
+
+    states: int = 64  # states sampled for the value MAE
+    gt_k: int = 256  # Monte Carlo rollouts per state for the ground truth
+    ranking_states: int = 16  # states whose next steps are ranked
+    alternatives: int = 5  # alternative next steps per ranked state
+    seed: int = 0  # states, alternatives and rollouts
+    max_new_tokens: int = 1024  # response and rollout length cap
+
+
+def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
             critic_values: Callable[[list[Node]], list[float]] | None = None,
             progress: Callable[[int, int], None] | None = None, prompter: Prompter | None = None) -> dict:
     """Value MAE and step-ranking accuracy of every method against Monte Carlo ground truth (see module doc)."""
+    states, gt_k, ranking_states, alternatives = study.states, study.gt_k, study.ranking_states, study.alternatives
+    seed, max_new_tokens = study.seed, study.max_new_tokens
     rng = random.Random(seed)
     gen = torch.Generator(device=getattr(engine, "device", "cpu")).manual_seed(seed)
     params = SamplingParams(TEMPERATURE, TOP_P, max_new_tokens, tuple(task.stop))
@@ -495,9 +508,9 @@ def run(args: argparse.Namespace) -> int:
     bar = progress_bar()
     job = bar.add_task("value rollouts", total=None, status="sampling states and alternatives")
     with bar:
-        result = analyze(engine, tokenizer, task, examples, states=args.states, gt_k=args.gt_k,
-                         ranking_states=min(ranking_states, args.states), alternatives=args.alternatives,
-                         seed=args.seed, max_new_tokens=args.max_new_tokens, critic_values=critic_fn,
+        study = Study(args.states, args.gt_k, min(ranking_states, args.states), args.alternatives, args.seed,
+                      args.max_new_tokens)
+        result = analyze(engine, tokenizer, task, examples, study, critic_values=critic_fn,
                          progress=lambda done, total: bar.update(job, completed=done, total=total, status=""),
                          prompter=prompter)
     result["model"], result["critic"], result["task"] = model_dir, args.critic, args.task
