@@ -171,6 +171,25 @@ def _lora(model, r=4):
 
 
 @needs_peft
+def test_the_engine_passes_a_lora_model_the_cache_under_its_current_name():
+    import warnings
+
+    from vineppo.engine import Engine, SamplingParams
+
+    class Digits:  # the engine only decodes
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(str, ids))
+
+    engine = Engine(_lora(_model()), Digits())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # `past_key_values` is deprecated for `cache` in transformers 5.2x
+        out = engine.generate([[1, 2, 3]], 2, SamplingParams(0.7, 1.0, 4), torch.Generator().manual_seed(0))
+    assert [len(s.token_ids) for s in out[0]] == [4, 4]
+
+
+@needs_peft
 def test_lora_reference_is_the_base_model_exactly_and_only_adapters_train():
     from vineppo import lora
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import PreTrainedModel
 
 from vineppo.engine import schedule
 from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
@@ -60,7 +61,9 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.token_budget = int(token_budget)
-        sig = inspect.signature(model.forward).parameters
+        # A LoRA (peft) model's forward takes **kwargs: read the keywords off the transformers model inside it.
+        base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+        sig = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in sig else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in sig
         self.eos_token_ids = eos_token_ids(model, tokenizer)
