@@ -60,7 +60,7 @@ class AdaptersOff:
             return self.policy(**inputs)
 
     def modules(self):
-        """The policy's modules (what vineppo.ppo.can_share and parallel.pretrained look through)."""
+        """The policy's modules (what vineppo.ppo.can_share and models.pretrained look through)."""
         return self.policy.modules()
 
 

@@ -13,6 +13,7 @@ with `save_pretrained`, so every later stage loads it exactly like a hub model: 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -29,6 +30,21 @@ TINY_SIZE = dict(hidden=128, layers=4, heads=4)  # default tiny model (0.9M para
 TINY_CONTEXT = 1024
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+def pretrained(model: torch.nn.Module) -> torch.nn.Module:
+    """The outermost transformers model inside `model` (itself, a Critic's body, or a LoRA model's base); `model`
+    itself when it holds none."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` (transformers >= 5.2x) or `past_key_values`.
+
+    Read off the transformers model inside: a LoRA (peft) model's own forward takes **kwargs."""
+    return "cache" if "cache" in inspect.signature(pretrained(model).forward).parameters else "past_key_values"
 
 
 def pick_device(device: str | None = None) -> torch.device:

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vineppo import distributed as dist
 from vineppo.errors import UserError
+from vineppo.models import pretrained
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype: the autocast compute dtype (None: plain float32)
 
@@ -70,13 +71,6 @@ def _sum_hook(group, bucket):  # unannotated: DDP refuses the string annotations
     """DDP's all-reduce without its division by the number of ranks."""
     fut = tdist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
-
-
-def pretrained(model: nn.Module) -> nn.Module:
-    """The outermost transformers model inside `model` (itself, a Critic's body, or a LoRA model's base)."""
-    from transformers import PreTrainedModel
-
-    return next(m for m in model.modules() if isinstance(m, PreTrainedModel))
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 
 from vineppo import distributed as dist
 from vineppo import parallel
+from vineppo.models import cache_keyword, pretrained
 
 
 @dataclass
@@ -121,12 +121,11 @@ def _shared_prompt_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     from transformers import DynamicCache  # transformers is imported lazily throughout (vineppo.models)
 
     sp, R = batch.prompts, batch.mask.shape[1]
-    hf = parallel.pretrained(model)
-    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.2x
-    cache = DynamicCache(config=hf.config)
+    config, kw = pretrained(model).config, cache_keyword(model)
+    cache = DynamicCache(config=config)
     head = model(input_ids=sp.input_ids, attention_mask=sp.attention_mask, use_cache=True, **{kw: cache},
                  position_ids=(sp.attention_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1).logits[:, -1]
-    shared = DynamicCache(config=hf.config)
+    shared = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         shared.update(layer.keys[sp.rows], layer.values[sp.rows], i)
     attention = torch.cat([sp.attention_mask[sp.rows], batch.mask.long()], 1)

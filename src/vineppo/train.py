@@ -78,8 +78,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     trained, policy, critic = models.trained, models.trained.policy, models.trained.critic
     sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]  # sft: DPO+'s offline samples
     engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
-    # evaluation samples from the policy: with the engine when it samples the policy, else a native one per call
-    eval_engine = engine if sampler is policy else None
+    # evaluation samples from the policy: with the engine when it samples the policy, else a native one
+    eval_engine = engine if sampler is policy else Engine(policy, tokenizer, token_budget=cfg.token_budget)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
 
     state = {"iteration": 0, "wall_clock_s": 0.0, "train_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
@@ -103,14 +103,14 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now."""
         from vineppo.evaluate import EvalSettings, evaluate
 
-        scores, engine = {}, eval_engine or Engine(policy, tokenizer, token_budget=cfg.token_budget)
+        scores = {}
         settings = EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed + iteration)
         for key, examples in (("test/pass@1", test_set), ("val/pass@1", val_set)):
             if not examples:
                 continue
             mine = examples[dist.rank()::dist.world()]
             with sampling(policy):
-                result = evaluate(engine, task, mine, settings, prompter)
+                result = evaluate(eval_engine, task, mine, settings, prompter)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
         return scores

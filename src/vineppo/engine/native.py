@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import PreTrainedModel
 
 from vineppo.engine import schedule
 from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
@@ -48,6 +47,7 @@ from vineppo.engine.batch import Batch, Group, layers_kv
 from vineppo.engine.plan import Plan, Rounds, Unit, plan_job
 from vineppo.engine.sampling import sample
 from vineppo.engine.stops import Finisher, candidate_table
+from vineppo.models import cache_keyword, pretrained
 
 EXTRA_COLUMNS = 64  # a cache buffer has room for this many steps (at most max_new_tokens + 1) before it is regrown
 
@@ -61,11 +61,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.token_budget = int(token_budget)
-        # A LoRA (peft) model's forward takes **kwargs: read the keywords off the transformers model inside it.
-        base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-        sig = inspect.signature(base.forward).parameters
-        self._cache_kw = "cache" if "cache" in sig else "past_key_values"
-        self._has_logits_to_keep = "logits_to_keep" in sig
+        self._cache_kw = cache_keyword(model)
+        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(pretrained(model).forward).parameters
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._cand_tables: dict[tuple[tuple[str, ...], int], torch.Tensor] = {}
 
