@@ -267,7 +267,7 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
     prompts, responses, advantages, returns = data.prompts, data.responses, data.advantages, data.returns
     device = next(policy.parameters()).device
     share = can_share(policy)
-    old_logp, ref_logp = _before_update(nets, data, cfg, device)
+    old_logp, ref_logp = _before_update(nets, data, cfg, device, share and can_share(nets.reference))
     # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
     local = {g: i for i, g in enumerate(range(len(prompts)) if data.ids is None else data.ids)}
     n_global = int(dist.all_sum([float(len(prompts))])[0])
@@ -323,12 +323,12 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
     return totals
 
 
-def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: torch.device) -> tuple[dict, dict]:
+def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: torch.device,
+                   share: bool) -> tuple[dict, dict]:
     """Per-episode log-probs under the policy before the update (unless the sampler gave them) and the reference."""
     given = data.old_logprobs is not None
     old_logp = {i: lp.to(device) for i, lp in enumerate(data.old_logprobs)} if given else {}
     ref_logp = {}
-    share = can_share(nets.policy) and can_share(nets.reference)
     with torch.no_grad(), parallel.autocast(device, cfg.dtype):
         for idx in aligned(_micro_batches(_by_prompt(list(range(len(data.prompts))), data.prompts), cfg.micro_batch)):
             b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id,
