@@ -12,7 +12,7 @@ from vineppo.errors import UserError
 from vineppo.engine import Engine
 from vineppo.evaluate import EvalSettings, evaluate, first_error_step
 from vineppo.models import load_model
-from vineppo.sft import SFTConfig, ensure_sft_model, run_sft
+from vineppo.sft import SFTConfig, ensure_sft_model, make_optimizers, run_sft
 from vineppo.tasks import Example, Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
@@ -53,6 +53,30 @@ def test_same_seed_same_model(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_muon_takes_the_weight_matrices_and_adamw_the_rest(tiny):
+    model, _ = load_model(tiny, verbose=False)
+    muon, adamw = make_optimizers(model, "muon", 1e-3)
+    assert isinstance(muon, torch.optim.Muon) and type(adamw) is torch.optim.AdamW
+    matrices = [p for g in muon.param_groups for p in g["params"]]
+    rest = [p for g in adamw.param_groups for p in g["params"]]
+    assert matrices and rest and all(p.ndim == 2 for p in matrices) and all(p.ndim != 2 for p in rest)
+    assert {id(p) for p in matrices + rest} == {id(p) for p in model.parameters()}  # each parameter once
+    assert len(matrices) + len(rest) == len(list(model.parameters()))
+    (only,) = make_optimizers(model, "adamw", 1e-3)
+    assert type(only) is torch.optim.AdamW
+
+
+def test_the_optimizer_flag_changes_the_training_and_is_recorded(tiny, tmp_path):
+    muon = sft(tmp_path / "muon", steps=30, optimizer="muon")
+    assert json.loads((muon / "sft_config.json").read_text())["optimizer"] == "muon"
+    assert json.loads((tiny / "sft_config.json").read_text())["optimizer"] == "adamw"  # the default
+    a, _ = load_model(muon, verbose=False)
+    b, _ = load_model(tiny, verbose=False)
+    assert any(not torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    rows = [json.loads(line) for line in (muon / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in rows[-5:]) / 5 < rows[0]["loss"] - 0.2  # it trains
+
+
 def test_evaluate_is_seeded(tiny):
     model, tok = load_model(tiny, verbose=False)
     exs = MINI.load("test", None, 0)
@@ -81,6 +105,8 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
         evaluate(Engine(model, tok), MINI, [])
     with pytest.raises(UserError, match="empty"):
         run_sft(SFTConfig("arith-empty", out=tmp_path / "e", progress=False, **SIZE))
+    with pytest.raises(UserError, match="optimizer.*must be one of muon, adamw"):
+        run_sft(SFTConfig("arith-mini", out=tmp_path / "o", optimizer="sgd"))
     model.config.max_position_embeddings = 20
     with pytest.raises(UserError, match="context is 20"):
         evaluate(Engine(model, tok), MINI, MINI.load("test", None, 0)[:1], EvalSettings(samples=1))
@@ -91,6 +117,7 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
     (["eval", "--task", "nope"], "unknown task"),
     (["eval", "--task", "arith-empty", "--model", "x"], "empty"),
     (["sft", "--task", "nope"], "unknown task"),
+    (["sft", "--optimizer", "sgd"], "--optimizer: must be one of muon, adamw"),
 ])
 def test_cli_prints_one_line_error(capsys, argv, msg):
     with pytest.raises(SystemExit) as e:

@@ -3,8 +3,9 @@
 Each example is a prompt and its reference response in the chosen prompt format (vineppo.prompts: plain
 `Problem: ... Solution:` + " " + solution + EOS, or the chat template's user and assistant turns with the
 end-of-turn token, or few-shot); the loss is the mean cross-entropy over the response tokens only. The
-format is recorded in the output folder (`vineppo.json`), so `eval` and `train` reuse it. AdamW, linear
-warmup then cosine decay, gradient clipping at 1.0, batches of similar length. The final model is written
+format is recorded in the output folder (`vineppo.json`), so `eval` and `train` reuse it. AdamW (or, with
+`--optimizer muon`, Muon on the weight matrices and AdamW on the rest), linear warmup then cosine decay,
+gradient clipping at 1.0, batches of similar length. The final model is written
 atomically (temp folder, then rename), so a killed run never leaves half a model.
 """
 
@@ -33,11 +34,13 @@ from vineppo.tasks import get_task
 from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
-TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
-PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
+TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03, optimizer="adamw")  # ~2630 steps on arith's 20k problems
+PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03, optimizer="adamw")
+OPTIMIZERS = ("muon", "adamw")
 # Flag rules, checked before any model or data loads.
 RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT_LEAST_1, max_steps=configs.AT_LEAST_1,
-             warmup=(lambda v: 0 <= v < 1, "must be >= 0 and < 1"), hidden=configs.AT_LEAST_1, layers=configs.AT_LEAST_1)
+             warmup=(lambda v: 0 <= v < 1, "must be >= 0 and < 1"), hidden=configs.AT_LEAST_1, layers=configs.AT_LEAST_1,
+             optimizer=(lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"))
 
 
 def default_sft_dir(task: str) -> Path:
@@ -105,6 +108,20 @@ def lr_at(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
+def make_optimizers(net: torch.nn.Module, name: str, lr: float) -> list[torch.optim.Optimizer]:
+    """AdamW on every parameter ('adamw'), or Muon on the weight matrices and AdamW on the rest ('muon')."""
+    if name == "adamw":
+        decay = [p for p in net.parameters() if p.ndim >= 2]
+        no_decay = [p for p in net.parameters() if p.ndim < 2]
+        return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.95))]
+    matrices = [p for p in net.parameters() if p.ndim == 2]  # torch's Muon takes 2-D parameters only
+    others = [p for p in net.parameters() if p.ndim != 2]
+    # match_rms_adamw scales Muon's orthogonalised steps to AdamW's size, so one learning rate serves both
+    return [torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(others, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)]
+
+
 def temp_dir(out: Path) -> Path:
     """A fresh temp folder next to `out`, where a run writes until it is complete."""
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed run (SIGKILL cannot be caught)
@@ -148,7 +165,8 @@ class SFTConfig:
     out: str | Path | None = None  # output folder (None: runs/sft-<task>)
     data: str | None = None  # data file for tasks that read one
     epochs: float | None = None  # passes over the data
-    lr: float | None = None  # peak learning rate (AdamW, warmup then cosine decay to 10%)
+    lr: float | None = None  # peak learning rate (warmup then cosine decay to 10%)
+    optimizer: str | None = None  # muon (Muon on weight matrices, AdamW on the rest) or adamw
     batch_size: int | None = None  # examples per step
     max_steps: int | None = None  # stop after this many steps (overrides epochs)
     warmup: float | None = None  # warmup fraction of the steps
@@ -170,7 +188,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     lr, epochs, batch_size, max_steps, warmup = cfg.lr, cfg.epochs, cfg.batch_size, cfg.max_steps, cfg.warmup
     hidden, layers, prompt_format = cfg.hidden, cfg.layers, cfg.prompt_format
     configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
-                             hidden=hidden, layers=layers), RULES)
+                             hidden=hidden, layers=layers, optimizer=cfg.optimizer), RULES)
     task = get_task(task_name)
     out = Path(cfg.out) if cfg.out is not None else default_sft_dir(task_name)
     dev = pick_device(cfg.device)
@@ -187,7 +205,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         net, tokenizer = load_model(model, device=str(dev), dtype=torch.float32)
         defaults = PRETRAINED_DEFAULTS
     hp = {k: v if v is not None else defaults[k] for k, v in
-          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
+          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup, optimizer=cfg.optimizer).items()}
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if cfg.bf16 is None else cfg.bf16
 
     prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
@@ -206,11 +224,8 @@ def run_sft(cfg: SFTConfig) -> Path:
     if cfg.grad_checkpointing:
         net.gradient_checkpointing_enable()
     net.train()
-    decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=hp["lr"], betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm))
+    opts = make_optimizers(net, hp["optimizer"], hp["lr"])
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm)) for opt in opts]
 
     config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
                   device=str(dev), bf16=use_bf16, arch=cfg.arch if model == "tiny" else None,
@@ -218,7 +233,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     t0 = time.time()
     tmp = temp_dir(out)
     try:
-        _train(Loop(net, opt, sched, items, hp["batch_size"], total, tokenizer.pad_token_id, dev, use_bf16), cfg, tmp)
+        _train(Loop(net, opts, scheds, items, hp["batch_size"], total, tokenizer.pad_token_id, dev, use_bf16), cfg, tmp)
         config["time_s"] = round(time.time() - t0, 1)
         (tmp / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_format(tmp, prompter.format)
@@ -233,8 +248,8 @@ class Loop:
     """What the SFT loop works on."""
 
     net: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
+    opts: list[torch.optim.Optimizer]  # one per parameter group (Muon's matrices, AdamW's rest)
+    scheds: list[torch.optim.lr_scheduler.LambdaLR]  # the same schedule for each optimiser
     items: list[tuple[list[int], int]]  # (token ids, prompt length) per example
     batch_size: int
     total: int  # optimiser steps
@@ -245,7 +260,7 @@ class Loop:
 
 def _train(loop: Loop, cfg: SFTConfig, tmp: Path) -> None:
     """The training loop; metrics go to tmp/metrics.jsonl as it runs."""
-    net, opt, sched, items, total, dev = loop.net, loop.opt, loop.sched, loop.items, loop.total, loop.device
+    net, items, total, dev = loop.net, loop.items, loop.total, loop.device
     progress, log_every = cfg.progress, cfg.log_every
     rng, lengths = random.Random(cfg.seed), [len(ids) for ids, _ in items]
     batches: list[list[int]] = []
@@ -263,15 +278,16 @@ def _train(loop: Loop, cfg: SFTConfig, tmp: Path) -> None:
                 loss = net(**batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            for opt, sched in zip(loop.opts, loop.scheds):
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
             tokens += int(batch["attention_mask"].sum())
             step_loss = loss.item()
             loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
             if (step + 1) % log_every == 0 or step + 1 == total:
                 elapsed = time.time() - t0
-                row = dict(step=step + 1, loss=round(loss_sum / loss_n, 5), lr=sched.get_last_lr()[0],
+                row = dict(step=step + 1, loss=round(loss_sum / loss_n, 5), lr=loop.scheds[0].get_last_lr()[0],
                            tokens_per_s=round(tokens / elapsed, 1), elapsed_s=round(elapsed, 1))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -312,6 +328,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
     p.add_argument("--lr", type=float, default=None, help="peak learning rate" + _defaults("lr"))
+    p.add_argument("--optimizer", default=None,
+                   help="muon: Muon on the weight matrices, AdamW on the rest; adamw: AdamW throughout (default)")
     p.add_argument("--batch-size", type=int, default=None, help="examples per step" + _defaults("batch_size"))
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps" + _defaults("warmup"))
