@@ -127,6 +127,16 @@ def test_cli_prints_one_line_error(capsys, argv, msg):
     assert msg in err and "\n" not in err and "Traceback" not in err
 
 
+def test_eval_of_a_missing_model_leaves_no_folder_behind(capsys, tmp_path, monkeypatch):
+    """The default output folder (runs/<model name>) is made before the model loads; a failed load removes it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--model", "/no/such/model-folder"])
+    assert "not found" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "--no--such--model-folder").exists()
+
+
+
 def test_cli_eval_json(tiny, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["eval", "--model", str(tiny), "--task", "arith-mini", "--samples", "2", "--limit", "2",

@@ -211,8 +211,14 @@ def run(args: argparse.Namespace) -> int:
     saved = Path(name) if (Path(name) / "config.json").is_file() else \
         Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
     out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
-    make_folder(out.parent, f"--out {out}")
-    model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
+    made = not out.parent.exists()
+    make_folder(out.parent, f"--out {out}")  # an unwritable --out fails before a slow model load
+    try:
+        model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
+    except BaseException:
+        if made and not any(out.parent.iterdir()):  # a model that does not load leaves no empty folder behind
+            out.parent.rmdir()
+        raise
     prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
     engine = make_engine(args.engine, model, tokenizer, model_dir=name, token_budget=args.token_budget)
     from rich.console import Console
