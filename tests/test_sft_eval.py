@@ -127,13 +127,14 @@ def test_cli_prints_one_line_error(capsys, argv, msg):
     assert msg in err and "\n" not in err and "Traceback" not in err
 
 
-def test_eval_of_a_missing_model_leaves_no_folder_behind(capsys, tmp_path, monkeypatch):
-    """The default output folder (runs/<model name>) is made before the model loads; a failed load removes it."""
+@pytest.mark.parametrize("command", ["eval", "analyze-values"])
+def test_a_missing_model_leaves_no_output_folder_behind(capsys, tmp_path, monkeypatch, command):
+    """The default output folder (runs/<name>) is made before the model loads; a failed load removes it."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
-        cli.main(["eval", "--model", "/no/such/model-folder"])
+        cli.main([command, "--model", "/no/such/model-folder"])
     assert "not found" in capsys.readouterr().err
-    assert not (tmp_path / "runs" / "--no--such--model-folder").exists()
+    assert not [p.name for p in (tmp_path / "runs").iterdir()]
 
 
 

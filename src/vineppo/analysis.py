@@ -47,7 +47,7 @@ from vineppo.engine import ENGINES, SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
 from vineppo.prompts import HELP, Prompter
-from vineppo.runs import make_folder
+from vineppo.runs import output_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
@@ -490,19 +490,19 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--token-budget: smaller than one row (a prompt plus --max-new-tokens {args.max_new_tokens} "
                         f"tokens), got {args.token_budget}")
     out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
-    make_folder(out, f"--out {out}")
-    task = get_task(args.task)
-    examples = task.load(args.split, args.data, args.seed)
-    if not examples:
-        raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
-    device = pick_device(args.device)
-    critic, ckpt = load_critic(args.critic, device) if args.critic else (None, None)
-    model_dir = args.model or (str(ckpt) if ckpt else None)
-    if model_dir is None:
-        raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
-    model, tokenizer = load_model(model_dir, device=str(device))
-    prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
-    engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
+    with output_folder(out, f"--out {out}"):  # removed again if the data or the models fail to load
+        task = get_task(args.task)
+        examples = task.load(args.split, args.data, args.seed)
+        if not examples:
+            raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
+        device = pick_device(args.device)
+        critic, ckpt = load_critic(args.critic, device) if args.critic else (None, None)
+        model_dir = args.model or (str(ckpt) if ckpt else None)
+        if model_dir is None:
+            raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
+        model, tokenizer = load_model(model_dir, device=str(device))
+        prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
+        engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
     critic_fn = critic_state_values(critic, tokenizer.pad_token_id) if critic is not None else None
 
     bar = progress_bar()

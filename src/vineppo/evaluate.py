@@ -30,7 +30,7 @@ from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length, load_model, seeded_generator
 from vineppo.prompts import HELP, Prompter, check_format
-from vineppo.runs import make_folder
+from vineppo.runs import output_folder
 from vineppo.tasks import Example, Task, get_task
 
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
@@ -211,14 +211,8 @@ def run(args: argparse.Namespace) -> int:
     saved = Path(name) if (Path(name) / "config.json").is_file() else \
         Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
     out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
-    made = not out.parent.exists()
-    make_folder(out.parent, f"--out {out}")  # an unwritable --out fails before a slow model load
-    try:
+    with output_folder(out.parent, f"--out {out}"):  # an unwritable --out fails before a slow model load
         model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
-    except BaseException:
-        if made and not any(out.parent.iterdir()):  # a model that does not load leaves no empty folder behind
-            out.parent.rmdir()
-        raise
     prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
     engine = make_engine(args.engine, model, tokenizer, model_dir=name, token_budget=args.token_budget)
     from rich.console import Console

@@ -81,6 +81,19 @@ def make_folder(folder: Path, label: str) -> None:
         raise UserError(f"{label}: cannot write there ({reason(e)})") from None
 
 
+@contextmanager
+def output_folder(folder: Path, label: str) -> Iterator[Path]:
+    """make_folder, then remove the folder again if the block fails before writing anything into it."""
+    made = not folder.exists()
+    make_folder(folder, label)
+    try:
+        yield folder
+    except BaseException:
+        if made and folder.is_dir() and not any(folder.iterdir()):  # a failed command leaves no empty folder
+            folder.rmdir()
+        raise
+
+
 # ------------------------------------------------------------------------------------ the lock
 
 
