@@ -34,8 +34,8 @@ from vineppo.tasks import get_task
 from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
-TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03, optimizer="adamw")  # ~2630 steps on arith's 20k problems
-PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03, optimizer="adamw")
+TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
+PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
 OPTIMIZERS = ("muon", "adamw")
 # Flag rules, checked before any model or data loads.
 RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT_LEAST_1, max_steps=configs.AT_LEAST_1,
@@ -166,7 +166,7 @@ class SFTConfig:
     data: str | None = None  # data file for tasks that read one
     epochs: float | None = None  # passes over the data
     lr: float | None = None  # peak learning rate (warmup then cosine decay to 10%)
-    optimizer: str | None = None  # muon (Muon on weight matrices, AdamW on the rest) or adamw
+    optimizer: str = "adamw"  # adamw, or muon (Muon on the weight matrices, AdamW on the rest)
     batch_size: int | None = None  # examples per step
     max_steps: int | None = None  # stop after this many steps (overrides epochs)
     warmup: float | None = None  # warmup fraction of the steps
@@ -205,7 +205,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         net, tokenizer = load_model(model, device=str(dev), dtype=torch.float32)
         defaults = PRETRAINED_DEFAULTS
     hp = {k: v if v is not None else defaults[k] for k, v in
-          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup, optimizer=cfg.optimizer).items()}
+          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if cfg.bf16 is None else cfg.bf16
 
     prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
@@ -224,12 +224,12 @@ def run_sft(cfg: SFTConfig) -> Path:
     if cfg.grad_checkpointing:
         net.gradient_checkpointing_enable()
     net.train()
-    opts = make_optimizers(net, hp["optimizer"], hp["lr"])
+    opts = make_optimizers(net, cfg.optimizer, hp["lr"])
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm)) for opt in opts]
 
     config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
                   device=str(dev), bf16=use_bf16, arch=cfg.arch if model == "tiny" else None,
-                  prompt_format=prompter.format, **hp)
+                  prompt_format=prompter.format, **hp, optimizer=cfg.optimizer)
     t0 = time.time()
     tmp = temp_dir(out)
     try:
@@ -328,7 +328,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
     p.add_argument("--lr", type=float, default=None, help="peak learning rate" + _defaults("lr"))
-    p.add_argument("--optimizer", default=None,
+    p.add_argument("--optimizer", default="adamw",
                    help="muon: Muon on the weight matrices, AdamW on the rest; adamw: AdamW throughout (default)")
     p.add_argument("--batch-size", type=int, default=None, help="examples per step" + _defaults("batch_size"))
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
