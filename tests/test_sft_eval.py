@@ -1,8 +1,10 @@
 """SFT and eval on tiny models (Llama, GPT-2, Qwen2 configs built locally; nothing downloaded)."""
 
+import dataclasses
 import json
 import os
 import subprocess
+import types
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from vineppo import cli
 from vineppo.errors import UserError
 from vineppo.engine import Engine
-from vineppo.evaluate import EvalSettings, evaluate, first_error_step
+from vineppo.evaluate import EvalSettings, evaluate, first_error_step, majority_vote
 from vineppo.models import load_model
 from vineppo.sft import SFTConfig, ensure_sft_model, make_optimizers, run_sft
 from vineppo.tasks import Example, Task, get_task, register
@@ -144,11 +146,32 @@ def test_cli_eval_json(tiny, capsys, tmp_path):
                   "--max-new-tokens", "16", "--out", str(tmp_path / "r.jsonl"), "--json"])
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"pass@1", "greedy", "lenient_pass@1", "lenient_greedy", "parsable", "greedy_parsable",
+    assert set(out) == {"pass@1", "greedy", "pass@k", "maj@k", "lenient_pass@1", "lenient_greedy", "parsable", "greedy_parsable",
                         "problems", "samples", "prompt_format", "tokens", "tokens_per_s"} and out["problems"] == 2
     assert out["prompt_format"] == "plain"  # the tiny tokenizer has no chat template
     assert out["lenient_pass@1"] >= out["pass@1"] and 0 <= out["parsable"] <= 1
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+
+
+def test_pass_at_k_and_majority_vote():
+    """pass@k: any sample right; maj@k: the mark of the most common extracted answer, the first-seen on ties."""
+    S = lambda text: types.SimpleNamespace(text=text)
+    texts = ["#### 7", "#### 8", "no answer", "#### 8", "#### 7"]
+    marks = [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert majority_vote(ARITH, [S(t) for t in texts], marks) == 1.0  # 7 and 8 tie at two votes: 7 came first
+    assert majority_vote(ARITH, [S(t) for t in texts[1:]], marks[1:]) == 0.0  # 8 first, then tied
+    assert majority_vote(ARITH, [S(t) for t in texts + ["#### 8"]], marks + [0.0]) == 0.0  # 8 wins outright
+    assert majority_vote(ARITH, [S("none")], [0.0]) == 0.0 and majority_vote(ARITH, [], []) is None
+    assert majority_vote(dataclasses.replace(ARITH, extract=None), [S("#### 7")], [1.0]) is None
+
+
+def test_eval_reports_pass_at_k_and_majority_from_its_samples(tiny_sft):
+    model, tok = load_model(tiny_sft, verbose=False)
+    res = evaluate(Engine(model, tok), ARITH, ARITH.load("test", None, 0)[:8], EvalSettings(samples=4, seed=1))
+    rows = res["results"]
+    assert [r["pass@k"] for r in rows] == [float(r["correct"] > 0) for r in rows]
+    assert res["pass@k"] == sum(r["pass@k"] for r in rows) / len(rows) >= res["pass@1"]
+    assert res["maj@k"] == sum(r["maj@k"] for r in rows) / len(rows)
 
 
 def test_first_error_step():

@@ -5,7 +5,8 @@ Beside the strict scores (the reward's grader) it reports lenient ones (`grading
 answer is X", a `\\boxed{}` on GSM8K, the last number). Each response's finish reason ("stop": EOS or a stop
 string; "length": cut off at --max-new-tokens) is recorded, and `parsable` is the fraction of responses
 (sampled and greedy; `greedy_parsable`: greedy only) in which the task's strict extractor finds an answer,
-right or wrong: a model that knows answers but not the format shows up there.
+right or wrong: a model that knows answers but not the format shows up there. `pass@k` is the fraction of
+problems that at least one of the k samples solves, `maj@k` the accuracy of their majority answer.
 
 For GSM8K-format solutions (`a op b = c` lines, then `#### answer`) `first_error_step` says where a wrong
 response first goes wrong: a wrong result on line i, or a wrong number copied into it.
@@ -130,7 +131,8 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
         marks = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in outs]
         lenient = [outcome_reward(task.lenient, s.text, ex.answer, s.finish_reason) for s in outs]
         rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": _mean(marks), "lenient_pass@1": _mean(lenient)},
-                         correct=int(sum(marks)), samples=len(marks),
+                         correct=int(sum(marks)), samples=len(marks), **{"pass@k": float(any(marks)) if marks else None,
+                                                                         "maj@k": majority_vote(task, outs, marks)},
                          greedy=outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason),
                          greedy_lenient=outcome_reward(task.lenient, g[0].text, ex.answer, g[0].finish_reason),
                          greedy_parsable=_parsable(task, g[0].text), greedy_text=g[0].text,
@@ -140,12 +142,29 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
     parsable = [p for r in rows for p in r["sample_parsable"] + [r["greedy_parsable"]] if p is not None]
     return {"pass@1": _mean([r["pass@1"] for r in rows if r["samples"]]),
             "greedy": _mean([r["greedy"] for r in rows]),
+            "pass@k": _mean([r["pass@k"] for r in rows if r["samples"]]),
+            "maj@k": _mean([r["maj@k"] for r in rows if r["maj@k"] is not None]),
             "lenient_pass@1": _mean([r["lenient_pass@1"] for r in rows if r["samples"]]),
             "lenient_greedy": _mean([r["greedy_lenient"] for r in rows]),
             "parsable": _mean(parsable),
             "greedy_parsable": _mean([r["greedy_parsable"] for r in rows if r["greedy_parsable"] is not None]),
             "problems": len(rows), "samples": samples, "prompt_format": prompter.format,
             "tokens": sum(len(s.token_ids) for outs in sampled + greedy for s in outs), "results": rows}
+
+
+def majority_vote(task: Task, samples: list, marks: list[float]) -> float | None:
+    """The mark of the answer most samples give (ties: the one given first); None without samples or extractor.
+
+    With pass@k (any sample right) it brackets what RL can gain: sharpening the sampled distribution moves
+    pass@1 towards the majority's answer, and only learning moves it beyond."""
+    if not task.extract or not samples:
+        return None
+    answers = [task.extract(s.text) for s in samples]
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return 0.0
+    top = votes.most_common(1)[0][0]  # most_common keeps first-seen order among equal counts
+    return marks[answers.index(top)]
 
 
 def _parsable(task: Task, text: str) -> bool | None:
@@ -237,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     f = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary.items() if isinstance(v, float) or v is None}
     print(f"{args.task}/{args.split}: pass@1 {f['pass@1']} ({args.samples} samples, T={args.temperature}, "
-          f"top-p {args.top_p})  greedy {f['greedy']}  problems {summary['problems']}")
+          f"top-p {args.top_p})  greedy {f['greedy']}  pass@{args.samples} {f['pass@k']}  maj@{args.samples} "
+          f"{f['maj@k']}  problems {summary['problems']}")
     print(f"  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  parsable (strict grader): "
           f"all {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
           f"{summary['tokens_per_s']:.1f} generated tokens/s")
