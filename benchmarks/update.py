@@ -95,8 +95,7 @@ def time_limit(episodes, ctx, share: bool) -> float:
     for _ in range(cfg.epochs):
         order = torch.randperm(len(episodes), generator=gen).tolist()
         for start in range(0, len(order), cfg.minibatch):
-            mb = ppo._by_prompt(order[start:start + cfg.minibatch], prompts)
-            for idx in ppo._micro_batches(mb, cfg.micro_batch):
+            for idx in ppo.micro_batches(order[start:start + cfg.minibatch], prompts, cfg.micro_batch):
                 b = pack([prompts[i] for i in idx], [responses[i] for i in idx], ctx.tokenizer.pad_token_id,
                          share=share)
                 logp, _ = token_logprobs(policy, b, cfg.temperature)

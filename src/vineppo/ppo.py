@@ -281,7 +281,7 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
             optimizer.zero_grad(set_to_none=True)
             if critic_optimizer is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-            micro = aligned(_micro_batches(_by_prompt(mb, prompts), cfg.micro_batch))
+            micro = micro_batches(mb, prompts, cfg.micro_batch)
             for k, idx in enumerate(micro):
                 b = pack([prompts[i] for i in idx], [responses[i] for i in idx], data.pad_id,
                          [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share)
@@ -330,7 +330,7 @@ def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: tor
     old_logp = {i: lp.to(device) for i, lp in enumerate(data.old_logprobs)} if given else {}
     ref_logp = {}
     with torch.no_grad(), parallel.autocast(device, cfg.dtype):
-        for idx in aligned(_micro_batches(_by_prompt(list(range(len(data.prompts))), data.prompts), cfg.micro_batch)):
+        for idx in micro_batches(list(range(len(data.prompts))), data.prompts, cfg.micro_batch):
             b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id,
                      share=share).to(device)
             if not given:
@@ -347,14 +347,13 @@ def aligned(batches: list[list[int]]) -> list[list[int]]:
     return batches + [[] for _ in range(most - len(batches))]
 
 
-def _by_prompt(indices: list[int], prompts: list[list[int]]) -> list[int]:
-    """`indices` ordered by prompt length, then prompt: less padding, and a prompt's responses share micro-batches
-    (a minibatch's gradient is the sum over its micro-batches, whatever their make-up)."""
-    return sorted(indices, key=lambda i: (len(prompts[i]), prompts[i]))
+def micro_batches(indices: list[int], prompts: list[list[int]], size: int) -> list[list[int]]:
+    """`indices` ordered by prompt length, then prompt, cut into micro-batches of `size`, `aligned` over ranks.
 
-
-def _micro_batches(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[i:i + size] for i in range(0, len(indices), max(1, size))]
+    The order means less padding, and a prompt's responses share micro-batches (its prompt is encoded once);
+    a minibatch's gradient is the sum over its micro-batches, whatever their make-up."""
+    ordered = sorted(indices, key=lambda i: (len(prompts[i]), prompts[i]))
+    return aligned([ordered[i:i + size] for i in range(0, len(ordered), max(1, size))])
 
 
 def _stack(rows: list[torch.Tensor], shape: torch.Size, device: torch.device) -> torch.Tensor:
