@@ -1,5 +1,6 @@
 """Tests of the rollout engine on tiny random models (nothing is downloaded)."""
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -350,6 +351,33 @@ def test_determinism_and_progress(llama, tok):
     ids = lambda o: [[s.token_ids for s in r] for r in o]  # noqa: E731
     assert ids(a) == ids(b) and ids(a) != ids(c)
     assert calls and calls[-1] == 8 and calls == sorted(calls)
+
+
+def test_decode_steps_of_grouped_query_models_skip_transformers_kv_copy(llama, tok, monkeypatch):
+    """Decode steps of a grouped-query model (4 query heads, 2 key/value heads) run engine.attention's packed
+    SDPA, not transformers' SDPA function, which copies the KV cache per query head given a mask (older
+    transformers always, newer ones outside their own packing); the samples and log-probs are the same."""
+    from transformers import AttentionInterface
+
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    calls = []
+
+    def spy(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", spy)
+    prompts, params = _prompts([5, 17, 2, 11]), SamplingParams(temperature=1.0, max_new_tokens=12)
+    packed = Engine(llama, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
+    assert 1 not in calls
+    assert llama.config._attn_implementation == "sdpa"  # restored after the job
+    monkeypatch.setattr("vineppo.engine.native.packed_decode", lambda model: contextlib.nullcontext())
+    calls.clear()
+    plain = Engine(llama, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
+    assert 1 in calls
+    assert [[s.token_ids for s in r] for r in packed] == [[s.token_ids for s in r] for r in plain]
+    lp = [[x for r in out for s in r for x in s.logprobs] for out in (packed, plain)]
+    assert np.allclose(lp[0], lp[1], atol=1e-5)
 
 
 def test_training_mode_restored_and_bad_input(llama, tok):

@@ -5,7 +5,7 @@
 
 The native backend, one job per file: ``plan.py`` (units of work), ``schedule.py`` (admission policy),
 ``batch.py`` (the decode batch and its KV cache), ``stops.py`` (EOS, stop strings, length), ``sampling.py``
-(temperature, top-p). ``make_engine(name, ...)`` builds either; train, eval, analyze-values and the
+(temperature, top-p), ``attention.py`` (decode attention for grouped-query models). ``make_engine(name, ...)`` builds either; train, eval, analyze-values and the
 benchmark call only the interface.
 """
 

@@ -17,6 +17,8 @@ HOW IT WORKS (one job per file)
    whose layers write new keys/values in place into a preallocated buffer (the stock layer concatenates,
    copying the whole cache every step). Finished rows (EOS, stop string, length; ``stops.py``) are masked
    out at once, and padding columns on the left are dropped by moving the cache view.
+   On grouped-query models a step's attention packs each key/value head's query heads into one attention
+   over it (``attention.py``), so the cache is never copied per query head.
 5. Sample (``sampling.py``). Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p``
    of the mass (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
 
@@ -41,6 +43,7 @@ import inspect
 import torch
 
 from vineppo.engine import schedule
+from vineppo.engine.attention import packed_decode
 from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
                                 eos_token_ids)
 from vineppo.engine.batch import Batch, Group, layers_kv
@@ -100,7 +103,7 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), packed_decode(self.model):
                 self._job(seqs, bounds, budgets, k, params, generator, progress, out, more)
         finally:
             if was_training:
