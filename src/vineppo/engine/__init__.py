@@ -5,8 +5,8 @@
 
 The native backend, one job per file: ``plan.py`` (units of work), ``schedule.py`` (admission policy),
 ``batch.py`` (the decode batch and its KV cache), ``stops.py`` (EOS, stop strings, length), ``sampling.py``
-(temperature, top-p), ``attention.py`` (decode attention for grouped-query models). ``make_engine(name, ...)`` builds either; train, eval, analyze-values and the
-benchmark call only the interface.
+(temperature, top-p), ``attention.py`` (decode attention for grouped-query models). ``make_engine(name, ...)``
+builds either; train, eval, analyze-values and the benchmark call only the interface.
 """
 
 from vineppo.engine.api import ENGINES, RolloutEngine, Sample, SamplingParams, check_engine, eos_token_ids, make_engine
