@@ -83,14 +83,17 @@ def make_folder(folder: Path, label: str) -> None:
 
 @contextmanager
 def output_folder(folder: Path, label: str) -> Iterator[Path]:
-    """make_folder, then remove the folder again if the block fails before writing anything into it."""
-    made = not folder.exists()
+    """make_folder, then remove the folder (and the parents it made) again if the block fails before writing
+    anything into them: a failed command leaves no empty folder, not even a fresh `runs/`."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
     make_folder(folder, label)
     try:
         yield folder
     except BaseException:
-        if made and folder.is_dir() and not any(folder.iterdir()):  # a failed command leaves no empty folder
-            folder.rmdir()
+        for path in made:
+            if not path.is_dir() or any(path.iterdir()):
+                break
+            path.rmdir()
         raise
 
 
