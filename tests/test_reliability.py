@@ -313,8 +313,10 @@ def test_gsm8k_with_data_but_no_eval_data_names_eval_data(tmp_path, capsys, monk
     monkeypatch.setattr(data_mod, "reachable", lambda *a, **k: False, raising=False)  # absent before issue 12
     path = tmp_path / "train.jsonl"
     path.write_text('{"question": "1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n' * 20)
+    monkeypatch.chdir(tmp_path)  # the default run folder, runs/<name>, is made here
     err = _fails(capsys, ["train", "--task", "gsm8k", "--data", str(path), "--model", NO_MODEL])
     assert "cannot reach huggingface.co" in err and "--eval-data PATH" in err and "with --data" not in err
+    assert not (tmp_path / "runs").exists()  # the failed run leaves neither its folder nor runs/
 
 
 def test_resume_of_a_run_without_checkpoint_says_what_to_do(tmp_path, capsys):

@@ -90,11 +90,16 @@ def output_folder(folder: Path, label: str) -> Iterator[Path]:
     try:
         yield folder
     except BaseException:
-        for path in made:
-            if not path.is_dir() or any(path.iterdir()):
-                break
-            path.rmdir()
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (innermost first) while they are empty directories."""
+    for path in folders:
+        if not path.is_dir() or any(path.iterdir()):
+            break
+        path.rmdir()
 
 
 # ------------------------------------------------------------------------------------ the lock
@@ -106,7 +111,7 @@ def locked(out: Path, create: bool, enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    created = create and not out.exists()
+    made = [p for p in (out, *out.parents) if not p.exists()] if create else []  # innermost first
     if create:
         make_folder(out, f"--out {out}")
     if fcntl is None:
@@ -131,8 +136,9 @@ def locked(out: Path, create: bool, enabled: bool = True) -> Iterator[None]:
             yield
         finally:
             handle.truncate(0)
-            if created and os.listdir(out) == [LOCK]:  # the run failed before writing anything: leave no folder
+            if made and os.listdir(out) == [LOCK]:  # the run failed before writing anything: leave no folder
                 shutil.rmtree(out)
+                _remove_empty(made[1:])  # nor the runs/ made for it
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
