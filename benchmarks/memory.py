@@ -1,4 +1,4 @@
-"""Peak memory per rank of one training iteration, and update tokens/s, for a real-size model (issue 14).
+"""Peak memory per rank of one training iteration, and update tokens/s, for a real-size model.
 
     python benchmarks/memory.py [--json] [--configs default,bf16,...] [--episodes 8] [--prompt 64]
         [--response 128] [--micro-batch 4] [--layers 30] [--out results/memory/raw.json]

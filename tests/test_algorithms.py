@@ -242,7 +242,7 @@ def test_resume_gives_the_weights_of_the_uninterrupted_run(two_iterations, tiny_
     assert {k: v for k, v in resumed.items() if k not in timings} == {k: v for k, v in full.items() if k not in timings}
 
 
-# ------------------------------------------------------------------------------------ with issue 14's memory settings
+# ------------------------------------------------------------------------------------ with the memory settings
 
 needs_peft = pytest.mark.skipif(not configs.peft_installed(), reason="LoRA needs peft: pip install '.[lora]' (CI does)")
 

@@ -140,10 +140,23 @@ def test_run_all_runs_jobs_in_parallel_and_reports_failures(tmp_path, monkeypatc
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(compare, "train_command", fake_command)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     failed = compare.run_all(tmp_path, ["ppo", "rloo"], 2, 1, "arith-tiny", jobs=2, extra=[])
     assert sorted(failed) == ["rloo-s0", "rloo-s1"]
     assert (tmp_path / "runs" / "ppo-s1" / "summary.json").exists() and (tmp_path / "logs" / "rloo-s0.log").exists()
     assert compare.report(tmp_path)["algos"]["ppo"]["time_to_ppo_best_s"]["mean"] == 0.0
+
+
+def test_cpu_threads_follow_omp_num_threads_when_set(monkeypatch):
+    import os
+
+    import vineppo.compare as compare
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # e.g. a compare that shares the machine with another job
+    assert compare.cpu_threads() == 1
+    for unset in ("", "0", "two"):  # unset or not a positive count: every core
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert compare.cpu_threads() == (os.cpu_count() or 1)
 
 
 def test_report_lists_restem_and_dpo_positive_with_the_validation_pick(comparison):

@@ -1,4 +1,4 @@
-"""Memory knobs (issue 14): the LM head on scored positions only, LoRA with the reference as adapters-off, bf16
+"""Memory knobs: the LM head on scored positions only, LoRA with the reference as adapters-off, bf16
 autocast and gradient checkpointing. FSDP2 and DDP are tested in test_distributed.py."""
 
 import json

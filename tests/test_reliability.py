@@ -1,4 +1,4 @@
-"""Reliability (issue 12): settings checked before any model loads, one run per folder, resume that cannot
+"""Reliability: settings checked before any model loads, one run per folder, resume that cannot
 silently do the wrong thing, and one-line errors for full disks, damaged files and bad paths.
 
 Tests of bad settings pass a model path that does not exist: a check that ran after a load attempt would
@@ -310,7 +310,7 @@ def test_gsm8k_with_data_but_no_eval_data_names_eval_data(tmp_path, capsys, monk
 
     for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(data_mod, "reachable", lambda *a, **k: False, raising=False)  # absent before issue 12
+    monkeypatch.setattr(data_mod, "reachable", lambda *a, **k: False, raising=False)
     path = tmp_path / "train.jsonl"
     path.write_text('{"question": "1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n' * 20)
     monkeypatch.chdir(tmp_path)  # the default run folder, runs/<name>, is made here
@@ -347,7 +347,7 @@ def test_hub_model_without_network_fails_fast(monkeypatch, tmp_path):
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr(models_mod, "reachable", lambda *a, **k: False, raising=False)  # absent before issue 12
+    monkeypatch.setattr(models_mod, "reachable", lambda *a, **k: False, raising=False)
     with pytest.raises(UserError, match="not in the local cache and huggingface.co cannot be reached") as e:
         load_model("vineppo-test-org/no-such-model-123")
     assert "\n" not in str(e.value)

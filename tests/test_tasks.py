@@ -74,7 +74,8 @@ def test_arith_seeds_and_splits():
     val = load_arith("validation", None, 0, size=200)
     problems = [{e.problem for e in s} for s in (train, val, a)]
     assert not (problems[0] & problems[1] or problems[0] & problems[2] or problems[1] & problems[2])
-    assert all(task.grade(task.target(e), e.answer) == 1.0 for e in train + val + a)
+    clean = [load_arith(split, "premature=0", 0, size=200) for split in ("train", "validation", "test")]
+    assert all(task.grade(task.target(e), e.answer) == 1.0 for e in sum(clean, []))
 
 
 @pytest.mark.parametrize("content,match", [
@@ -151,11 +152,15 @@ def test_arith_knobs_through_data_flag():
     from vineppo.errors import UserError
     from vineppo.tasks.arith import load_arith
 
+    from vineppo.tasks.arith import chain_of
+
     hard = load_arith("test", "min_ops=5,max_ops=6,digits=3", size=50)
-    assert all(5 <= len(ex.solution.splitlines()) - 1 <= 6 for ex in hard)
+    assert all(5 <= len(chain_of(ex.problem).ops) <= 6 for ex in hard)
     assert max(int(n) for ex in hard for n in ex.problem.replace(".", " ").split() if n.isdigit()) >= 100
     easy = load_arith("test", size=50)
-    assert all(2 <= len(ex.solution.splitlines()) - 1 <= 4 for ex in easy)
+    assert all(2 <= len(chain_of(ex.problem).ops) <= 4 for ex in easy)
+    clean = load_arith("test", "premature=0", size=50)  # every reference careful: a line per operation
+    assert all(len(ex.solution.splitlines()) - 1 == len(chain_of(ex.problem).ops) for ex in clean)
     with pytest.raises(UserError, match="knobs"):
         load_arith("test", "digits=big")
 

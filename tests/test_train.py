@@ -36,12 +36,19 @@ def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo):
     out = tmp_path / algo
     assert summary["iterations"] == 2
     saved = json.loads((out / "summary.json").read_text())
-    assert set(saved) == {"sft_test_pass@1", "final_test_pass@1", "best_test_pass@1", "iterations", "wall_clock_s",
-                          "train_s", "time_budget_reached"}
+    assert set(saved) == {"sft_test_pass@1", "final_test_pass@1", "best_test_pass@1", "gain", "iterations",
+                          "wall_clock_s", "train_s", "time_budget_reached", "sft_test_behaviours",
+                          "final_test_behaviours"}
+    assert saved["gain"] == pytest.approx(saved["final_test_pass@1"] - saved["sft_test_pass@1"])
+    for key in ("sft_test_behaviours", "final_test_behaviours"):  # arith names its behaviours; shares add up to 1
+        assert set(saved[key]) == set(get_task("arith").behaviours) and sum(saved[key].values()) == pytest.approx(1)
+    assert (out / "curves.png").stat().st_size > 0  # the run's plot
     assert not saved["time_budget_reached"] and 0 < saved["train_s"] <= saved["wall_clock_s"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[1]["episodes"] == 16 and "kl" in rows[1] and "time/update_s" in rows[1]
+    assert sum(rows[1][f"train/behaviour/{b}"] for b in get_task("arith").behaviours) == pytest.approx(1)
+    assert sum(rows[2][f"test/behaviour/{b}"] for b in get_task("arith").behaviours) == pytest.approx(1)
     assert configs.load(out / "config.yaml").algo == algo
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter-000002"
     if algo == "vineppo":

@@ -49,6 +49,7 @@ from vineppo.grading import continuation_reward, outcome_reward
 from vineppo.prompts import HELP, Prompter
 from vineppo.runs import output_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
+from vineppo.tasks import DATA_HELP, get_task
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
 K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order
@@ -461,7 +462,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="states for step ranking (default: a fifth of --states; each costs --alternatives states)")
     p.add_argument("--alternatives", type=int, default=5, help="alternative next steps per ranking state (default 5)")
     p.add_argument("--split", default="test")
-    p.add_argument("--data", default=None, help="data file for tasks that read one")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--max-new-tokens", type=int, default=1024, help="response / continuation length cap")
     p.add_argument("--token-budget", type=int, default=65536, help="engine: max rows x tokens in one decode batch")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
@@ -476,7 +477,6 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from vineppo.models import load_model, pick_device
-    from vineppo.tasks import get_task
     from vineppo.tracking import console as err_console
     from vineppo.tracking import progress_bar
 

@@ -1,4 +1,6 @@
-"""The `vineppo` command line: each subcommand lives in its own module with `add_arguments` and `run`."""
+"""vineppo: RL fine-tuning of language models on reasoning tasks with VinePPO (Monte Carlo credit assignment;
+Kazemnejad et al., arXiv 2410.01679) and the paper's baselines PPO, GRPO, RLOO, RestEM and DPO+, in one
+training loop."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ COMMANDS = {
     "inspect-data": ("vineppo.inspect", "validate a data set, grade its references, show step splits"),
     "sft": ("vineppo.sft", "supervised fine-tuning on a task's reference solutions"),
     "eval": ("vineppo.evaluate", "pass@1 and greedy accuracy of a model on a task"),
-    "train": ("vineppo.train", "RL training: VinePPO, PPO, GRPO or RLOO"),
+    "train": ("vineppo.train", "RL training: VinePPO, PPO, GRPO, RLOO, RestEM or DPO+"),
     "analyze-values": ("vineppo.analysis", "accuracy of value estimates against Monte Carlo ground truth"),
     "compare": ("vineppo.compare", "train several algorithms over several seeds and report"),
     "export": ("vineppo.export", "a run's checkpoint as a plain transformers model folder (LoRA adapters merged)"),

@@ -74,6 +74,12 @@ def train_command(run_dir: Path, algo: str, seed: int, iterations: int | None, p
             "--out", str(run_dir), *it, *extra, "--json"]
 
 
+def cpu_threads() -> int:
+    """The threads compare may use in all: OMP_NUM_THREADS when set to a positive integer, else the core count."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else (os.cpu_count() or 1)
+
+
 def run_all(out: Path, algos: list[str], seeds: int, iterations: int | None, preset: str, jobs: int,
             extra: list[str]) -> list[str]:
     """Train every missing (algo, seed) run, `jobs` at a time; returns the names of runs that failed."""
@@ -89,8 +95,9 @@ def run_all(out: Path, algos: list[str], seeds: int, iterations: int | None, pre
     if not todo:
         return []
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    # Split the CPU threads between concurrent runs so they do not oversubscribe the cores.
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    # Split the CPU threads (OMP_NUM_THREADS if the user set it, else every core) between concurrent runs,
+    # so they do not oversubscribe the cores.
+    threads = str(max(1, cpu_threads() // jobs))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     failed, running = [], {}
     bar = progress_bar()
@@ -322,7 +329,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=None, help="RL iterations per run (default: the preset's)")
     p.add_argument("--config", default="arith-tiny", help="training preset or YAML file (default: arith-tiny)")
     p.add_argument("--out", default="runs/compare", help="comparison folder (default: runs/compare)")
-    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (CPU threads are split between them)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (the CPU threads, OMP_NUM_THREADS or every core, are split between them)")
     p.add_argument("--train-args", default="", help="extra flags for every new `vineppo train`, e.g. '--device cpu'")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from the runs in --out")
     p.add_argument("--json", action="store_true", help="print compare.json")
@@ -334,9 +341,9 @@ def _ensure_start_model(preset: str, train_args: str) -> None:
 
     cfg = configs.resolve(configs.load_preset(preset), {})
     if cfg.model == "auto" and "--model" not in train_args:
-        from vineppo.sft import ensure_sft_model
+        from vineppo.sft import default_model
 
-        ensure_sft_model(cfg.task)
+        default_model(cfg.task, cfg.data, train_missing=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,7 +45,7 @@ class TrainConfig:
     algo: str = "vineppo"  # vineppo | ppo | grpo | rloo | restem | dpo-positive: picks the update and its defaults
     estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
-    data: str | None = None  # local training file for the task (None: the task's default source)
+    data: str | None = None  # local training file for the task, or arith's knobs, e.g. 'premature=0' (None: default)
     model: str = "auto"  # SFT model: folder, .gguf file or hub id; "auto" trains/caches the task's tiny SFT model
     prompt_format: str = "auto"  # plain | chat | fewshot:N | auto (the model's recorded format, else chat if it has one)
     out: str | None = None  # run folder (None: a fresh folder under runs/)
@@ -155,7 +155,7 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
     ("lora_r", lambda c: not c.lora_r or peft_installed(), lambda c: NEEDS_PEFT),
     ("lora_r", lambda c: not (c.lora_r and c.fsdp),
-     lambda c: "LoRA with --fsdp is not supported (LoRA needs no sharding up to 7B, see README); drop one of them"),
+     lambda c: "LoRA with --fsdp is not supported (LoRA needs no sharding up to 7B, see docs/models-and-gpus.md); drop one of them"),
     ("lora_r", lambda c: not (c.lora_r and c.sample_from == "sft"),
      lambda c: f"LoRA with sample_from sft ({c.algo}'s default) is not supported: the SFT model is the policy "
                f"with its adapters off, which the engine cannot sample from; pass --sample-from policy or drop --lora-r"),

@@ -6,7 +6,9 @@ answer is X", a `\\boxed{}` on GSM8K, the last number). Each response's finish r
 string; "length": cut off at --max-new-tokens) is recorded, and `parsable` is the fraction of responses
 (sampled and greedy; `greedy_parsable`: greedy only) in which the task's strict extractor finds an answer,
 right or wrong: a model that knows answers but not the format shows up there. `pass@k` is the fraction of
-problems that at least one of the k samples solves, `maj@k` the accuracy of their majority answer.
+problems that at least one of the k samples solves, `maj@k` the accuracy of their majority answer. A task
+that names its behaviours (`Task.behaviour`, e.g. arith's careful and premature solutions) gets each one's
+share of the sampled responses and their pass@1 (`behaviours`), and its share of the greedy ones.
 
 For GSM8K-format solutions (`a op b = c` lines, then `#### answer`) `first_error_step` says where a wrong
 response first goes wrong: a wrong result on line i, or a wrong number copied into it.
@@ -32,7 +34,8 @@ from vineppo.grading import outcome_reward
 from vineppo.models import context_length, load_model, seeded_generator
 from vineppo.prompts import HELP, Prompter, check_format
 from vineppo.runs import output_folder
-from vineppo.tasks import Example, Task, get_task
+from vineppo.sft import SHIPPED, default_model
+from vineppo.tasks import DATA_HELP, Example, Task, get_task
 
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 _FINAL = re.compile(r"^\s*####\s*(.*?)\s*$")
@@ -138,7 +141,9 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
                          greedy_parsable=_parsable(task, g[0].text), greedy_text=g[0].text,
                          greedy_finish=g[0].finish_reason, sample_texts=[s.text for s in outs], sample_correct=marks,
                          sample_lenient=lenient, sample_parsable=[_parsable(task, s.text) for s in outs],
-                         sample_finish=[s.finish_reason for s in outs]))
+                         sample_finish=[s.finish_reason for s in outs],
+                         **({"sample_behaviour": [task.behaviour(ex, s.text) for s in outs],
+                             "greedy_behaviour": task.behaviour(ex, g[0].text)} if task.behaviour else {})))
     parsable = [p for r in rows for p in r["sample_parsable"] + [r["greedy_parsable"]] if p is not None]
     return {"pass@1": _mean([r["pass@1"] for r in rows if r["samples"]]),
             "greedy": _mean([r["greedy"] for r in rows]),
@@ -148,8 +153,29 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
             "lenient_greedy": _mean([r["greedy_lenient"] for r in rows]),
             "parsable": _mean(parsable),
             "greedy_parsable": _mean([r["greedy_parsable"] for r in rows if r["greedy_parsable"] is not None]),
+            **({"behaviours": behaviour_table(task, behaviour_counts(task, rows)),
+                "greedy_behaviours": behaviour_table(task, behaviour_counts(task, rows, greedy=True))}
+               if task.behaviour else {}),
             "problems": len(rows), "samples": samples, "prompt_format": prompter.format,
             "tokens": sum(len(s.token_ids) for outs in sampled + greedy for s in outs), "results": rows}
+
+
+def behaviour_counts(task: Task, rows: list[dict], greedy: bool = False) -> list[float]:
+    """[responses, correct] per behaviour of `task` (in `task.behaviours` order), flat: sums across ranks add up."""
+    counts = {name: [0.0, 0.0] for name in task.behaviours}
+    for r in rows:
+        pairs = [(r["greedy_behaviour"], r["greedy"])] if greedy else zip(r["sample_behaviour"], r["sample_correct"])
+        for name, mark in pairs:
+            counts[name][0] += 1
+            counts[name][1] += mark
+    return [x for name in task.behaviours for x in counts[name]]
+
+
+def behaviour_table(task: Task, flat: list[float]) -> dict[str, dict[str, float | None]]:
+    """{behaviour: {"share", "pass@1"}} from `behaviour_counts` (pass@1 None for a behaviour never seen)."""
+    total = sum(flat[0::2]) or 1.0
+    return {name: {"share": n / total, "pass@1": right / n if n else None}
+            for name, n, right in zip(task.behaviours, flat[0::2], flat[1::2])}
 
 
 def majority_vote(task: Task, samples: list, marks: list[float]) -> float | None:
@@ -193,11 +219,11 @@ def error_histogram(examples: list[Example], rows: list[dict]) -> dict[str, Coun
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo eval`."""
-    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: runs/sft-<task>)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the task's SFT model: arith's shipped one, else runs/sft-<task>)")
     p.add_argument("--task", default="arith", help="task name (default: arith)")
     p.add_argument("--prompt-format", default=None, help=HELP)
     p.add_argument("--split", default="test")
-    p.add_argument("--data", default=None, help="data file for tasks that read one")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--samples", type=int, default=16, help="samples per problem for pass@1 (default 16)")
     p.add_argument("--temperature", type=float, default=0.35)
     p.add_argument("--top-p", type=float, default=0.9)
@@ -217,8 +243,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `vineppo eval` from parsed flags."""
-    from vineppo.sft import default_sft_dir
-
     configs.check_flags(vars(args), RULES)
     check_format(args.prompt_format or "auto")
     check_engine(args.engine)
@@ -226,8 +250,9 @@ def run(args: argparse.Namespace) -> int:
     examples = task.load(args.split, args.data, args.seed)[: args.limit]
     if not examples:
         raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
-    name = args.model or str(default_sft_dir(args.task))
-    saved = Path(name) if (Path(name) / "config.json").is_file() else \
+    name = args.model or str(default_model(args.task, args.data))
+    # results go beside a saved model, except the one shipped inside the package, and models not saved here
+    saved = Path(name) if (Path(name) / "config.json").is_file() and Path(name).resolve() != SHIPPED.resolve() else \
         Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
     out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
     with output_folder(out.parent, f"--out {out}"):  # an unwritable --out fails before a slow model load
@@ -261,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  parsable (strict grader): "
           f"all {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
           f"{summary['tokens_per_s']:.1f} generated tokens/s")
+    if "behaviours" in summary:
+        for key, what in (("behaviours", "sampled"), ("greedy_behaviours", "greedy")):
+            print(f"  behaviours ({what}): " + ",  ".join(f"{name} {v['share']:.3f} (right {v['pass@1']:.3f})"
+                                                         for name, v in summary[key].items() if v["share"]))
     print(f"per-problem results: {out}", file=sys.stderr)
     if args.errors:
         hist = error_histogram(examples, res["results"])

@@ -56,9 +56,9 @@ def _start_model(run: Path) -> str:
     cfg = configs.load(run / "config.yaml")
     if cfg.model != "auto":
         return cfg.model
-    from vineppo.sft import default_sft_dir
+    from vineppo.sft import default_model
 
-    return str(default_sft_dir(cfg.task))
+    return str(default_model(cfg.task, cfg.data))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -30,12 +31,15 @@ from vineppo.errors import UserError
 from vineppo.models import context_length, load_model, pick_device, tiny_model
 from vineppo.prompts import HELP, Prompter, check_format, save_format
 from vineppo.runs import make_folder
-from vineppo.tasks import get_task
+from vineppo.tasks import DATA_HELP, get_task
 from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
-TINY_DEFAULTS = dict(lr=3e-3, epochs=4.2, batch_size=32, warmup=0.03)  # ~2630 steps on arith's 20k problems
-PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03)
+TINY_DEFAULTS = dict(lr=3e-3, epochs=2.0, batch_size=32, warmup=0.03, optimizer="muon")  # 1,250 steps on arith
+PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03, optimizer="adamw")
+# arith's default SFT model ships with the package (made by the `vineppo sft` command in its README.md), so the
+# main job needs no SFT first; `--model auto` on arith with its default data starts from it.
+SHIPPED = Path(__file__).parent / "assets" / "sft-arith"
 OPTIMIZERS = ("muon", "adamw")
 # Flag rules, checked before any model or data loads.
 RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT_LEAST_1, max_steps=configs.AT_LEAST_1,
@@ -43,9 +47,18 @@ RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT
              optimizer=(lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"))
 
 
-def default_sft_dir(task: str) -> Path:
-    """Where the default SFT model for `task` lives: runs/sft-<task>."""
-    return Path("runs") / f"sft-{task}"
+def default_sft_dir(task: str, data: str | None = None) -> Path:
+    """Where `vineppo sft` writes the default SFT model for `task` (and `data`): runs/sft-<task>[-<data>]."""
+    suffix = "-" + re.sub(r"[^\w.=-]+", "_", data) if data else ""
+    return Path("runs") / f"sft-{task}{suffix}"
+
+
+def default_model(task: str, data: str | None = None, train_missing: bool = False) -> Path:
+    """The model `--model auto` means: the shipped SFT model for arith's default data, else default_sft_dir (trained
+    with the defaults first when `train_missing` and it is not there yet)."""
+    if task == "arith" and data is None and is_saved_model(SHIPPED):
+        return SHIPPED
+    return ensure_sft_model(task, data=data) if train_missing else default_sft_dir(task, data)
 
 
 def is_saved_model(path: str | Path) -> bool:
@@ -54,12 +67,12 @@ def is_saved_model(path: str | Path) -> bool:
     return (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin")))
 
 
-def ensure_sft_model(task: str, out: str | Path | None = None, **hyperparams) -> Path:
+def ensure_sft_model(task: str, out: str | Path | None = None, data: str | None = None, **hyperparams) -> Path:
     """The SFT model folder for `task`, training it with the defaults first if it does not exist yet."""
-    out = Path(out) if out is not None else default_sft_dir(task)
+    out = Path(out) if out is not None else default_sft_dir(task, data)
     if is_saved_model(out):
         return out
-    return run_sft(SFTConfig(task, out=out, **hyperparams))
+    return run_sft(SFTConfig(task, out=out, data=data, **hyperparams))
 
 
 def tokenize_examples(prompter: Prompter, examples, max_len: int) -> list[tuple[list[int], int]]:
@@ -115,11 +128,46 @@ def make_optimizers(net: torch.nn.Module, name: str, lr: float) -> list[torch.op
         no_decay = [p for p in net.parameters() if p.ndim < 2]
         return [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=lr, betas=(0.9, 0.95))]
-    matrices = [p for p in net.parameters() if p.ndim == 2]  # torch's Muon takes 2-D parameters only
+    matrices = [p for p in net.parameters() if p.ndim == 2]
     others = [p for p in net.parameters() if p.ndim != 2]
-    # match_rms_adamw scales Muon's orthogonalised steps to AdamW's size, so one learning rate serves both
-    return [torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW(others, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)]
+    return [Muon(matrices, lr=lr, weight_decay=0.1), torch.optim.AdamW(others, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024) for 2-D weights: Nesterov momentum, orthogonalised by 5 Newton-Schulz steps, the
+    step scaled to AdamW's size (0.2 sqrt(max(rows, columns)), torch.optim.Muon's `match_rms_adamw`), so one
+    learning rate serves both optimisers. torch.optim.Muon runs Newton-Schulz in bfloat16, which a CPU without
+    bf16 matrix units runs ~40x slower than float32 (3.4x slower SFT steps on the 2-core machine); this one
+    runs it in float32 on CPU, bfloat16 on GPU."""
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.1, momentum: float = 0.95):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """One update of every parameter that has a gradient."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = newton_schulz(p.grad.lerp(buf, group["momentum"]))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape)))
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """An approximate orthogonalisation U V^T of g = U S V^T (Muon's quintic iteration, coefficients 3.4445, -4.775,
+    2.0315): singular values land in about [0.5, 1.5], which trains as well as exact ones."""
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    return x.T if tall else x
 
 
 def temp_dir(out: Path) -> Path:
@@ -166,7 +214,7 @@ class SFTConfig:
     data: str | None = None  # data file for tasks that read one
     epochs: float | None = None  # passes over the data
     lr: float | None = None  # peak learning rate (warmup then cosine decay to 10%)
-    optimizer: str = "adamw"  # adamw, or muon (Muon on the weight matrices, AdamW on the rest)
+    optimizer: str | None = None  # muon (Muon on the weight matrices, AdamW on the rest) or adamw
     batch_size: int | None = None  # examples per step
     max_steps: int | None = None  # stop after this many steps (overrides epochs)
     warmup: float | None = None  # warmup fraction of the steps
@@ -190,7 +238,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
                              hidden=hidden, layers=layers, optimizer=cfg.optimizer), RULES)
     task = get_task(task_name)
-    out = Path(cfg.out) if cfg.out is not None else default_sft_dir(task_name)
+    out = Path(cfg.out) if cfg.out is not None else default_sft_dir(task_name, data)
     dev = pick_device(cfg.device)
     check_format(prompt_format or "auto")  # a bad flag or file fails before a model loads
     examples = task.load("train", data, seed)
@@ -205,7 +253,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         net, tokenizer = load_model(model, device=str(dev), dtype=torch.float32)
         defaults = PRETRAINED_DEFAULTS
     hp = {k: v if v is not None else defaults[k] for k, v in
-          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup).items()}
+          dict(lr=lr, epochs=epochs, batch_size=batch_size, warmup=warmup, optimizer=cfg.optimizer).items()}
     use_bf16 = (dev.type == "cuda" and torch.cuda.is_bf16_supported()) if cfg.bf16 is None else cfg.bf16
 
     prompter = Prompter(task, tokenizer, prompt_format, model=None if model == "tiny" else model, data=data, seed=seed)
@@ -224,12 +272,12 @@ def run_sft(cfg: SFTConfig) -> Path:
     if cfg.grad_checkpointing:
         net.gradient_checkpointing_enable()
     net.train()
-    opts = make_optimizers(net, cfg.optimizer, hp["lr"])
+    opts = make_optimizers(net, hp["optimizer"], hp["lr"])
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, warm)) for opt in opts]
 
     config = dict(task=task_name, model=model, data=data, seed=seed, steps=total, examples=len(items),
                   device=str(dev), bf16=use_bf16, arch=cfg.arch if model == "tiny" else None,
-                  prompt_format=prompter.format, **hp, optimizer=cfg.optimizer)
+                  prompt_format=prompter.format, **hp)
     t0 = time.time()
     tmp = temp_dir(out)
     try:
@@ -315,7 +363,8 @@ def _progress(enabled: bool) -> Progress:
 
 def _defaults(key: str) -> str:
     """' (tiny: X, pretrained: Y)' for a --help text, read from the defaults themselves so it cannot go stale."""
-    return f" (tiny: {TINY_DEFAULTS[key]:g}, pretrained: {PRETRAINED_DEFAULTS[key]:g})"
+    return f" (tiny: {TINY_DEFAULTS[key]:g}, pretrained: {PRETRAINED_DEFAULTS[key]:g})" if key != "optimizer" else \
+        f" (tiny: {TINY_DEFAULTS[key]}, pretrained: {PRETRAINED_DEFAULTS[key]})"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -324,12 +373,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
                    help="hub id, local folder, .gguf file, or 'tiny' to build the small CPU model")
     p.add_argument("--prompt-format", default=None, help=HELP)
-    p.add_argument("--data", default=None, help="data file for tasks that read one (e.g. gsm8k)")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", default=None, help="output folder (default: runs/sft-<task>)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the data" + _defaults("epochs"))
     p.add_argument("--lr", type=float, default=None, help="peak learning rate" + _defaults("lr"))
-    p.add_argument("--optimizer", default="adamw",
-                   help="muon: Muon on the weight matrices, AdamW on the rest; adamw: AdamW throughout (default)")
+    p.add_argument("--optimizer", default=None,
+                   help="muon: Muon on the weight matrices, AdamW on the rest; adamw: AdamW throughout" +
+                   _defaults("optimizer"))
     p.add_argument("--batch-size", type=int, default=None, help="examples per step" + _defaults("batch_size"))
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the steps" + _defaults("warmup"))

@@ -65,3 +65,36 @@ def progress_bar(enabled: bool = True) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                     console=console, disable=not enabled, transient=False)
+
+
+def plot_run(out: Path) -> Path | None:
+    """curves.png in the run folder: test pass@1 and the test samples' behaviour shares against iteration and
+    against training seconds (sampling, credit, updates), from metrics.jsonl; None before any evaluation."""
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    points = [r for r in rows if "test/pass@1" in r]
+    if not points:
+        return None
+    import matplotlib  # heavy; only runs that evaluate draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({k.rsplit("/", 1)[1] for r in points for k, v in r.items() if k.startswith("test/behaviour/") and v})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, x, label in ((axes[0], "iteration", "iteration"), (axes[1], "time/train_s", "training seconds")):
+        xs = [r.get(x, 0.0) for r in points]
+        ax.plot(xs, [r["test/pass@1"] for r in points], "k-o", lw=2, label="test pass@1")
+        for name in names:
+            ax.plot(xs, [r.get(f"test/behaviour/{name}", 0.0) for r in points], "--", marker=".",
+                    label=f"share {name}")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 1)
+    axes[0].set_ylabel("test pass@1 / share of samples")
+    axes[1].legend(loc="best", fontsize=8)
+    fig.suptitle(out.name)
+    fig.tight_layout()
+    path = out / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

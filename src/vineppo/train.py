@@ -35,7 +35,7 @@ from vineppo.ppo import Critic
 from vineppo.prompts import Prompter
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
-from vineppo.tracking import Tracker, console, progress_bar
+from vineppo.tracking import Tracker, console, plot_run, progress_bar
 
 TASK_PRESETS = {"arith": "arith-tiny"}  # without --config a run uses configs/<task>.yaml, or the preset named here
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
@@ -84,7 +84,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
 
     state = {"iteration": 0, "wall_clock_s": 0.0, "train_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
              "final_test_pass@1": None, "best_val_iteration": None, "best_val_pass@1": None,
-             "test_at_best_val_pass@1": None}
+             "test_at_best_val_pass@1": None, "sft_test_behaviours": None, "final_test_behaviours": None}
     if resume:  # a checkpoint from before validation existed lacks its keys
         state.update(runs.load_checkpoint(found, trained, device))
     if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
@@ -101,7 +101,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
 
     def evaluate_now(iteration: int) -> dict[str, float]:
         """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now."""
-        from vineppo.evaluate import EvalSettings, evaluate
+        from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
 
         scores = {}
         settings = EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed + iteration)
@@ -113,6 +113,11 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
                 result = evaluate(eval_engine, task, mine, settings, prompter)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
+            if task.behaviour and key == "test/pass@1":  # which ways of answering the samples took, and how well
+                table = behaviour_table(task, dist.all_sum(behaviour_counts(task, result["results"])))
+                scores.update({f"test/behaviour/{name}": v["share"] for name, v in table.items()})
+                scores.update({f"test/behaviour_pass@1/{name}": v["pass@1"] for name, v in table.items()
+                               if v["pass@1"] is not None})
         return scores
 
     bar = progress_bar(enabled=main)
@@ -124,6 +129,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
         bar.update(job, status="evaluating the SFT model")
         scores = evaluate_now(0)
         state["sft_test_pass@1"] = scores.get("test/pass@1")
+        state["sft_test_behaviours"] = _behaviours(scores)
         _record(state, 0, scores)
         with _disk_errors(out):
             tracker.log(0, scores)
@@ -167,6 +173,10 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
                         "train/response_tokens": totals[3] / totals[0], "episodes": totals[0],
                         "train/mixed_prompts": totals[4] / max(totals[5], 1.0),
                         "train/kept_mixed_prompts": totals[6] / cfg.prompts_per_iter})
+        if task.behaviour:  # the share of each way of answering among the iteration's samples
+            labels = [task.behaviour(ex, s.text) for (_, ex), samples in zip(mine, outputs) for s in samples]
+            counts = dist.all_sum([float(labels.count(name)) for name in task.behaviours])
+            metrics.update({f"train/behaviour/{name}": c / totals[0] for name, c in zip(task.behaviours, counts)})
         watch.update(metrics)
         t1 = time.perf_counter()
 
@@ -191,6 +201,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
             scores = evaluate_now(done)
             metrics.update(scores)
             state["final_test_pass@1"] = scores.get("test/pass@1")
+            state["final_test_behaviours"] = _behaviours(scores)
             _record(state, done, scores)
         state["iteration"] = done
         state["wall_clock_s"] = time.perf_counter() - clock
@@ -211,7 +222,13 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
 
     bar.stop()
     tracker.close()
+    if main:
+        with _disk_errors(out):
+            plot_run(out)
     summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
+    if state["sft_test_pass@1"] is not None and state["final_test_pass@1"] is not None:
+        summary["gain"] = state["final_test_pass@1"] - state["sft_test_pass@1"]
+    summary.update({k: state[k] for k in ("sft_test_behaviours", "final_test_behaviours") if state.get(k)})
     summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"], "train_s": state["train_s"],
                     "time_budget_reached": 0 < cfg.time_budget_s <= state["train_s"]})
     if val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
@@ -316,6 +333,12 @@ class _SignalWatch:
                       highlight=False, markup=False, soft_wrap=True)
 
 
+def _behaviours(scores: dict[str, float]) -> dict[str, float] | None:
+    """The behaviour shares among an evaluation's samples ({} keys of test/behaviour/NAME), or None."""
+    shares = {k.rsplit("/", 1)[1]: v for k, v in scores.items() if k.startswith("test/behaviour/")}
+    return shares or None
+
+
 def _record(state: dict, iteration: int, scores: dict[str, float]) -> None:
     """Keep the best test pass@1, and the iteration with the best validation pass@1 (the earliest on ties)."""
     test, val = scores.get("test/pass@1"), scores.get("val/pass@1")
@@ -378,12 +401,12 @@ def _disk_errors(out: Path):
 
 
 def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:
-    """The starting model: the given one, or the task's default tiny SFT model (trained once if missing, then cached)."""
+    """The starting model: the given one, or the task's default SFT model (`sft.default_model`)."""
     if cfg.model != "auto":
         return cfg.model
-    from vineppo.sft import default_sft_dir, ensure_sft_model
+    from vineppo.sft import default_model
 
-    return ensure_sft_model(cfg.task) if train_missing else default_sft_dir(cfg.task)
+    return default_model(cfg.task, cfg.data, train_missing)
 
 
 def _run_dir(cfg: TrainConfig) -> Path:

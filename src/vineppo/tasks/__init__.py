@@ -1,80 +1,11 @@
 """Tasks: a loader, a prompt, a grader and a step splitter, looked up by name (prompt formats: vineppo.prompts).
 
-Adding a task is one new module that calls `register(Task(...))`, imported at the bottom of this file.
+Adding a task is one new module that calls `register(Task(...))` (vineppo.tasks.base), imported below.
 """
 
-from __future__ import annotations
+from vineppo.tasks import arith, gsm8k, math  # noqa: F401  (each registers its task)
+from vineppo.tasks.base import (BOXED_ANSWER, DATA_HELP, DEFAULT_PROMPT, HASH_ANSWER, TASKS, Example, Task, get_task,
+                                register)
 
-from dataclasses import dataclass, field
-from typing import Callable
-
-from vineppo.errors import UserError
-from vineppo.grading import lenient_gsm8k
-
-DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
-# Chat prompts open with the task's instruction, which names the answer format its grader reads.
-HASH_ANSWER = "Solve the problem step by step. Write the final answer on the last line in the form '#### <number>'."
-BOXED_ANSWER = "Solve the problem step by step. Put the final answer in \\boxed{}."
-
-
-@dataclass(frozen=True)
-class Example:
-    """One problem: its id, text, reference solution (the SFT target) and reference final answer."""
-
-    id: str
-    problem: str
-    solution: str
-    answer: str
-
-
-@dataclass(frozen=True)
-class Task:
-    """Everything the trainer needs to know about a data set."""
-
-    name: str
-    # load(split, path, seed) -> examples; path None means the task's default source (hub or generator).
-    load: Callable[[str, str | None, int], list[Example]]
-    # grade(completion, reference_answer) -> 1.0 or 0.0; never raises.
-    grade: Callable[[str, str], float]
-    # split_steps(response) -> steps whose concatenation is exactly the response.
-    split_steps: Callable[[str], list[str]]
-    prompt_template: str = DEFAULT_PROMPT
-    instruction: str = HASH_ANSWER  # the chat prompt's instruction: how to solve and how to write the answer
-    splits: tuple[str, ...] = ("train", "validation", "test")
-    # Text that ends a response besides the tokenizer's EOS (a model that starts a new problem).
-    stop: tuple[str, ...] = ("\n\nProblem:",)
-    # lenient(completion, reference_answer) -> 1.0 or 0.0: `vineppo eval`'s lenient score, never the reward.
-    lenient: Callable[[str, str], float] = lenient_gsm8k
-    # Extra keyword knobs the loader accepts (documented per task).
-    options: dict = field(default_factory=dict)
-    # extract(completion) -> the answer the grader would compare, or None when it finds none (strict
-    # parsability, right or wrong); None when the task has no extractor.
-    extract: Callable[[str], str | None] | None = None
-
-    def prompt(self, example: Example) -> str:
-        """The prompt text for one example."""
-        return self.prompt_template.format(problem=example.problem)
-
-    def target(self, example: Example) -> str:
-        """The SFT target: the response text that follows the prompt."""
-        return " " + example.solution
-
-
-TASKS: dict[str, Task] = {}
-
-
-def register(task: Task) -> Task:
-    """Add a task to the registry under its name."""
-    TASKS[task.name] = task
-    return task
-
-
-def get_task(name: str) -> Task:
-    """The registered task called `name`, or a UserError listing the known ones."""
-    if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
-
-
-# Built-in tasks register themselves on import.
-from vineppo.tasks import arith, gsm8k, math  # noqa: E402,F401
+__all__ = ["BOXED_ANSWER", "DATA_HELP", "DEFAULT_PROMPT", "HASH_ANSWER", "TASKS", "Example", "Task", "get_task",
+           "register"]

@@ -14,7 +14,7 @@ import re
 from vineppo.errors import UserError
 from vineppo.grading import extract_gsm8k, grade_gsm8k
 from vineppo.steps import split_newlines
-from vineppo.tasks import Example, Task, register
+from vineppo.tasks.base import Example, Task, register
 from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
 
 HUB = ("openai/gsm8k", "main")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from vineppo.errors import UserError
 from vineppo.grading import extract_math, grade_math, last_boxed, lenient_math
 from vineppo.steps import split_math
-from vineppo.tasks import BOXED_ANSWER, Example, Task, register
+from vineppo.tasks.base import BOXED_ANSWER, Example, Task, register
 from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
 
 HUB_TEST = ("HuggingFaceH4/MATH-500", None, "test")

@@ -1,0 +1,79 @@
+"""What a task is: `Example`, `Task` and the registry the task modules add themselves to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vineppo.errors import UserError
+from vineppo.grading import lenient_gsm8k
+
+DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
+# Chat prompts open with the task's instruction, which names the answer format its grader reads.
+HASH_ANSWER = "Solve the problem step by step. Write the final answer on the last line in the form '#### <number>'."
+BOXED_ANSWER = "Solve the problem step by step. Put the final answer in \\boxed{}."
+# --data's help in every command that loads a task.
+DATA_HELP = "data file for tasks that read one (gsm8k, math), or arith's knobs, e.g. 'premature=0' (vineppo.tasks.arith)"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem: its id, text, reference solution (the SFT target) and reference final answer."""
+
+    id: str
+    problem: str
+    solution: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything the trainer needs to know about a data set."""
+
+    name: str
+    # load(split, path, seed) -> examples; path None means the task's default source (hub or generator).
+    load: Callable[[str, str | None, int], list[Example]]
+    # grade(completion, reference_answer) -> 1.0 or 0.0; never raises.
+    grade: Callable[[str, str], float]
+    # split_steps(response) -> steps whose concatenation is exactly the response.
+    split_steps: Callable[[str], list[str]]
+    prompt_template: str = DEFAULT_PROMPT
+    instruction: str = HASH_ANSWER  # the chat prompt's instruction: how to solve and how to write the answer
+    splits: tuple[str, ...] = ("train", "validation", "test")
+    # Text that ends a response besides the tokenizer's EOS (a model that starts a new problem).
+    stop: tuple[str, ...] = ("\n\nProblem:",)
+    # lenient(completion, reference_answer) -> 1.0 or 0.0: `vineppo eval`'s lenient score, never the reward.
+    lenient: Callable[[str, str], float] = lenient_gsm8k
+    # Extra keyword knobs the loader accepts (documented per task).
+    options: dict = field(default_factory=dict)
+    # extract(completion) -> the answer the grader would compare, or None when it finds none (strict
+    # parsability, right or wrong); None when the task has no extractor.
+    extract: Callable[[str], str | None] | None = None
+    # behaviour(example, completion) -> one of `behaviours`: how the response went about the problem (for
+    # `eval` and the in-run metrics; never the reward); None when the task names no behaviours.
+    behaviour: Callable[[Example, str], str] | None = None
+    behaviours: tuple[str, ...] = ()
+
+    def prompt(self, example: Example) -> str:
+        """The prompt text for one example."""
+        return self.prompt_template.format(problem=example.problem)
+
+    def target(self, example: Example) -> str:
+        """The SFT target: the response text that follows the prompt."""
+        return " " + example.solution
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    """Add a task to the registry under its name."""
+    TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    """The registered task called `name`, or a UserError listing the known ones."""
+    if name not in TASKS:
+        raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
