@@ -17,6 +17,7 @@ COMMANDS = {
     "eval": ("vineppo.evaluate", "pass@1 and greedy accuracy of a model on a task"),
     "train": ("vineppo.train", "RL training: VinePPO, PPO, GRPO, RLOO, RestEM or DPO+"),
     "analyze-values": ("vineppo.analysis", "accuracy of value estimates against Monte Carlo ground truth"),
+    "analyze-credit": ("vineppo.localisation", "which tokens each method's advantages blame when one line is wrong"),
     "compare": ("vineppo.compare", "train several algorithms over several seeds and report"),
     "export": ("vineppo.export", "a run's checkpoint as a plain transformers model folder (LoRA adapters merged)"),
 }

@@ -298,6 +298,36 @@ def behaviour(example: Example, response: str) -> str:
     return "premature" if left_out == list(range(len(wanted) - len(left_out), len(wanted))) else "skip"
 
 
+def first_wrong_line(example: Example, response: str) -> tuple[int, str] | None:
+    """(index among the non-blank lines, kind) of the first line where a response departs from a right solution of
+    its problem, or None when every line is right. Kinds: 'premature' (the `####` line comes before the last
+    operation), 'skip' (a line carries out a later operation, leaving the next one out), 'slip' (a line's
+    operation and operands are right, its result is not), 'other' (anything else: a wrong copy, a fused or
+    unparsable line, an extra line, a wrong final answer after right lines, no answer line)."""
+    chain = chain_of(example.problem)
+    lines = [line for line in response.split("\n") if line.strip()]
+    if chain is None:
+        return (0, "other") if lines else None
+    value, done = chain.start, 0  # the running value and the operations carried out so far
+    for j, line in enumerate(lines):
+        if _FINAL.match(line):
+            if done < len(chain.ops):
+                return j, "premature"
+            return None if line.split("####", 1)[1].strip().replace(",", "") == str(value) else (j, "other")
+        m = _LINE.match(line)
+        if m is None or m[1] or done == len(chain.ops):
+            return j, "other"
+        a, op, n, result = int(m[2]), m[3].replace("x", "*"), int(m[4]), int(m[7])
+        if (op, n) != chain.ops[done][:2]:
+            return j, "skip" if (op, n) in [o[:2] for o in chain.ops[done + 1:]] else "other"
+        if a != value:
+            return j, "other"
+        if result != _apply(a, op, n):
+            return j, "slip"
+        value, done = result, done + 1
+    return max(len(lines) - 1, 0), "other"
+
+
 def _left_out(said: list, wanted: list) -> list[int] | None:
     """The indices of `wanted` that `said` leaves out when it is a subsequence of it (matched greedily), else None."""
     out, j = [], 0

@@ -1,0 +1,310 @@
+"""`vineppo analyze-credit`: when a response is wrong because of one line, whose advantages point at it?
+
+Group baselines (GRPO, RLOO) give every token of a response one advantage, so a wrong response's right lines
+are pushed down with its wrong one; VinePPO values every step from continuations, so its advantage should
+fall on the step that went wrong. This measures that on a fixed set of responses sampled from one model (its
+`--samples` per problem at the training temperature, T 0.6, top-p 0.9), using the estimators training uses.
+
+Each wrong `arith` response is read against its problem's chain (`arith.first_wrong_line`): the first line
+that departs from a right solution is the *bad line*. Its label is `behaviour` when that line is an
+unreliable behaviour's (a premature `####` answer, or a line that skips an operation) and `slip` when a
+careful line's operation is right and its result is not; other first errors are counted, not analysed.
+For up to `--responses` responses per label, every method's per-token advantages, un-whitened:
+VinePPO (`vine`) with K = 1, 3, 9 and adaptive K (3 to 9, agree), GRPO, RLOO, PPO's critic with GAE
+(lambda 1, a `vineppo train --algo ppo` run's critic, with `--critic`), and the truth: `vine` with `--gt-k`
+continuations per state. Per response and method:
+
+- share: the part of the response's negative advantage mass (the sum over tokens of min(A, 0)) that lies
+  on the bad line's tokens; none when no token is negative. For GRPO and RLOO it is the line's share of the
+  response's tokens, by construction.
+- before: the mean, over the right lines before the bad one, of the line's mean token advantage (0 is right:
+  those lines did nothing wrong); none when the bad line is the first.
+
+A line's tokens are those whose first character lies in it (from its first character to the next non-blank
+line; tokens after the text, EOS, belong to the last line). The paper's step splitter joins the `####` line
+to the last step, so a premature answer shares its step, and VinePPO's advantage, with the line before it:
+VinePPO's share on a premature line is at most that line's part of the step's tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from vineppo import config as configs
+from vineppo.analysis import load_critic
+from vineppo.credit import CreditContext, Episode, get_estimator
+from vineppo.engine import SamplingParams, check_engine, make_engine
+from vineppo.errors import UserError
+from vineppo.grading import outcome_reward
+from vineppo.models import load_model, pick_device
+from vineppo.prompts import HELP, Prompter
+from vineppo.runs import output_folder
+from vineppo.sft import default_model
+from vineppo.steps import step_token_ranges, token_char_offsets
+from vineppo.tasks import DATA_HELP, get_task
+from vineppo.tasks.arith import first_wrong_line
+from vineppo.tracking import console, progress_bar
+
+TEMPERATURE, TOP_P = 0.6, 0.9  # the training sampling settings
+LABELS = {"premature": "behaviour", "skip": "behaviour", "slip": "slip"}  # first-error kind -> analysed label
+VINE = (("vineppo_k1", 1, 0), ("vineppo_k3", 3, 0), ("vineppo_k9", 9, 0), ("vineppo_adaptive", 9, 3))
+
+
+def line_token_ranges(text: str, offsets: list[int]) -> list[tuple[int, int]]:
+    """Token ranges [start, end) of the non-blank lines of `text`, from each token's first character offset."""
+    starts, pos = [], 0
+    for line in text.split("\n"):
+        if line.strip():
+            starts.append(pos)
+        pos += len(line) + 1
+    if not starts:
+        return []
+    owner = [max(0, sum(1 for s in starts if s <= off) - 1) for off in offsets]  # tokens before line 0 join it
+    return [(owner.index(k), len(owner) - owner[::-1].index(k)) if k in owner else (0, 0)
+            for k in range(len(starts))]
+
+
+def localisation(adv: torch.Tensor, lines: list[tuple[int, int]], bad: int) -> dict[str, float | None]:
+    """{'share', 'before'} of one response's advantages (see the module doc) with bad line index `bad`."""
+    negative = adv.clamp(max=0)
+    total = float(negative.sum())
+    s, e = lines[bad]
+    share = float(negative[s:e].sum()) / total if total < 0 else None
+    means = [float(adv[a:b].mean()) for a, b in lines[:bad] if b > a]
+    return {"share": share, "before": sum(means) / len(means) if means else None}
+
+
+def mean_se(values: list[float | None]) -> dict[str, float | int | None]:
+    """Mean, standard error and count of the values that are not None."""
+    x = [v for v in values if v is not None]
+    if not x:
+        return {"mean": None, "se": None, "n": 0}
+    m = sum(x) / len(x)
+    se = math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x)) if len(x) > 1 else None
+    return {"mean": m, "se": se, "n": len(x)}
+
+
+@dataclass
+class CreditStudy:
+    """The size of one localisation study (`vineppo analyze-credit`)."""
+
+    problems: int = 128  # test problems sampled
+    samples: int = 8  # responses per problem: one group, as in training
+    responses: int = 48  # wrong responses analysed per label (behaviour, slip), at most
+    gt_k: int = 256  # continuations per state for the truth
+    seed: int = 0  # problems, responses and continuations
+    max_new_tokens: int = 160  # response and continuation length cap
+
+
+def sample_episodes(engine, prompter: Prompter, task, examples: list, study: CreditStudy,
+                    generator: torch.Generator) -> tuple[list[Episode], list]:
+    """`study.samples` responses to each of the first `study.problems` examples, as training's episodes."""
+    problems = examples[: study.problems]
+    prompts = [prompter.prompt(ex) for ex in problems]
+    params = SamplingParams(TEMPERATURE, TOP_P, study.max_new_tokens, tuple(task.stop))
+    outputs = engine.generate(prompts, study.samples, params, generator)
+    episodes, owners = [], []
+    for g, (ex, prompt, samples) in enumerate(zip(problems, prompts, outputs)):
+        for s in samples:
+            steps = step_token_ranges(task.split_steps(s.text), token_char_offsets(prompter.tokenizer, s.token_ids))
+            reward = outcome_reward(task.grade, s.text, ex.answer, s.finish_reason)
+            episodes.append(Episode(prompt, list(s.token_ids), s.text, reward, g, ex.answer, steps,
+                                    s.finish_reason != "stop"))
+            owners.append(ex)
+    return episodes, owners
+
+
+def pick(episodes: list[Episode], owners: list, per_label: int) -> tuple[list[dict], dict[str, int]]:
+    """The analysed responses (index, label, bad line, kind), up to per_label per label, and the count of every
+    first-error kind among the wrong responses. Responses are taken round-robin over the problems (the first
+    response of every problem, then the second, ...), so the analysed ones spread over many problems."""
+    kinds: dict[str, int] = {}
+    chosen, taken = [], dict.fromkeys(set(LABELS.values()), 0)
+    rank, seen = [], {}  # per episode: its place among its group's responses
+    for ep in episodes:
+        rank.append(seen.get(ep.group, 0))
+        seen[ep.group] = rank[-1] + 1
+    for i in sorted(range(len(episodes)), key=lambda i: (rank[i], episodes[i].group)):
+        ep, ex = episodes[i], owners[i]
+        if ep.reward > 0:
+            continue
+        found = first_wrong_line(ex, ep.text)
+        line, kind = found if found is not None and not ep.truncated else (0, "other")
+        kinds[kind] = kinds.get(kind, 0) + 1
+        label = LABELS.get(kind)
+        if label is not None and taken[label] < per_label:
+            taken[label] += 1
+            chosen.append({"episode": i, "label": label, "kind": kind, "bad_line": line})
+    return chosen, kinds
+
+
+def advantages(episodes: list[Episode], chosen: list[int], ctx: CreditContext, gt_k: int, seed: int,
+               critic=None, progress=None) -> dict[str, list[torch.Tensor]]:
+    """Per method, the advantages of episodes[chosen]: group methods see every episode of the groups."""
+    subset = [episodes[i] for i in chosen]
+    out = {}
+    for name in ("grpo", "rloo"):
+        full = get_estimator(name)(episodes, ctx).advantages
+        out[name] = [full[i] for i in chosen]
+    for n, (name, k, k_min) in enumerate(VINE + (("truth", gt_k, 0),)):
+        gen = torch.Generator(device=getattr(ctx.engine, "device", "cpu")).manual_seed(seed * 1000 + n + 1)
+        sub = replace(ctx, mc_k=k, mc_k_min=k_min, generator=gen, progress=progress(name) if progress else None)
+        out[name] = get_estimator("vine")(subset, sub).advantages
+    if critic is not None:
+        out["ppo_critic"] = get_estimator("gae")(subset, replace(ctx, critic=critic, lam=1.0)).advantages
+    return out
+
+
+def analyze_credit(engine, prompter: Prompter, task, examples: list, study: CreditStudy = CreditStudy(),
+                   critic=None, progress=None) -> dict:
+    """Sample, label, score every method and summarise (see the module doc); the result is JSON-ready."""
+    tokenizer = prompter.tokenizer
+    gen = torch.Generator(device=getattr(engine, "device", "cpu")).manual_seed(study.seed)
+    t0 = time.perf_counter()
+    episodes, owners = sample_episodes(engine, prompter, task, examples, study, gen)
+    chosen, kinds = pick(episodes, owners, study.responses)
+    params = SamplingParams(TEMPERATURE, TOP_P, study.max_new_tokens, tuple(task.stop))
+    ctx = CreditContext(engine=engine, tokenizer=tokenizer, grade=task.grade, params=params, mc_max_states=25)
+    t1 = time.perf_counter()
+    adv = advantages(episodes, [c["episode"] for c in chosen], ctx, study.gt_k, study.seed, critic, progress)
+    t2 = time.perf_counter()
+    rows = []
+    for j, c in enumerate(chosen):
+        ep = episodes[c["episode"]]
+        lines = line_token_ranges(ep.text, token_char_offsets(tokenizer, ep.response_ids))
+        s, e = lines[c["bad_line"]]
+        row = {**c, "lines": len(lines), "bad_line_token_share": (e - s) / max(len(ep.response_ids), 1),
+               "text": ep.text}
+        for name, per in adv.items():
+            row[name] = localisation(per[j], lines, c["bad_line"])
+        rows.append(row)
+    methods = list(adv)
+    summary = {label: {m: {q: mean_se([r[m][q] for r in rows if r["label"] == label]) for q in ("share", "before")}
+                       for m in methods}
+               for label in sorted(set(LABELS.values()))}
+    wrong = sum(ep.reward == 0 for ep in episodes)
+    return {"summary": summary, "methods": methods, "first_error_kinds": kinds, "responses": len(episodes),
+            "wrong": wrong, "analysed": {lab: sum(r["label"] == lab for r in rows) for lab in summary},
+            "settings": {**asdict(study), "temperature": TEMPERATURE, "top_p": TOP_P},
+            "timing": {"sampling_s": t1 - t0, "advantages_s": t2 - t1}, "rows": rows}
+
+
+NAMES = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
+         "vineppo_adaptive": "VinePPO adaptive K", "grpo": "GRPO", "rloo": "RLOO", "ppo_critic": "PPO critic (GAE)",
+         "truth": "truth (K = gt-k)"}
+
+
+def table(result: dict) -> str:
+    """The summary as a Markdown table: per label and method, share and before (mean ± standard error)."""
+
+    def cell(x: dict) -> str:
+        if x["mean"] is None:
+            return "n/a"
+        return f"{x['mean']:.3f} ± {x['se']:.3f}" if x["se"] is not None else f"{x['mean']:.3f}"
+
+    out = ["| first error | method | share of negative mass on the bad line | mean advantage of the right lines "
+           "before it | responses |", "|---|---|---|---|---|"]
+    for label, per in result["summary"].items():
+        for m in result["methods"]:
+            out.append(f"| {label} | {NAMES.get(m, m)} | {cell(per[m]['share'])} | {cell(per[m]['before'])} | "
+                       f"{per[m]['share']['n']} |")
+    return "\n".join(out)
+
+
+def plot(result: dict, path: Path) -> None:
+    """credit.png: each method's share on the bad line, per label, with its standard error."""
+    import matplotlib  # only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, methods = list(result["summary"]), result["methods"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(methods)
+    for k, m in enumerate(methods):
+        xs = [i + k * width for i in range(len(labels))]
+        means = [result["summary"][lab][m]["share"]["mean"] or 0.0 for lab in labels]
+        errs = [result["summary"][lab][m]["share"]["se"] or 0.0 for lab in labels]
+        ax.bar(xs, means, width, yerr=errs, label=NAMES.get(m, m))
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], [f"first error: {lab}" for lab in labels])
+    ax.set(ylabel="share of negative advantage mass on the bad line", ylim=(0, 1))
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+RULES = dict(problems=configs.AT_LEAST_1, samples=configs.AT_LEAST_1, responses=configs.AT_LEAST_1,
+             gt_k=configs.AT_LEAST_1, max_new_tokens=configs.AT_LEAST_1, token_budget=configs.AT_LEAST_1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `vineppo analyze-credit`."""
+    d = CreditStudy()
+    p.add_argument("--model", default=None, help="policy folder (default: the task's SFT model)")
+    p.add_argument("--prompt-format", default=None, help=HELP)
+    p.add_argument("--task", default="arith", help="task name (arith: its lines are checked against the chain)")
+    p.add_argument("--data", default=None, help=DATA_HELP)
+    p.add_argument("--split", default="test")
+    p.add_argument("--critic", default=None, metavar="RUN_DIR", help="a `vineppo train --algo ppo` run folder")
+    p.add_argument("--problems", type=int, default=d.problems, help=f"problems sampled (default {d.problems})")
+    p.add_argument("--samples", type=int, default=d.samples, help=f"responses per problem (default {d.samples})")
+    p.add_argument("--responses", type=int, default=d.responses,
+                   help=f"wrong responses analysed per first-error label (default {d.responses})")
+    p.add_argument("--gt-k", type=int, default=d.gt_k, help=f"continuations per state for the truth ({d.gt_k})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--token-budget", type=int, default=65536, help="engine: max rows x tokens in one decode batch")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--engine", default="native", help="rollout backend: native or vllm (default native)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for credit.json, credit.md, credit.png (default: runs/credit-<time>)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `vineppo analyze-credit`."""
+    configs.check_flags(vars(args), RULES)
+    check_engine(args.engine)
+    if args.task != "arith":
+        raise UserError(f"--task {args.task}: analyze-credit reads a response's lines against an arith problem's "
+                        "chain of operations; only --task arith is supported")
+    out = Path(args.out) if args.out else Path("runs") / f"credit-{time.strftime('%Y%m%d-%H%M%S')}"
+    with output_folder(out, f"--out {out}"):  # removed again if the data or the models fail to load
+        task = get_task(args.task)
+        examples = task.load(args.split, args.data, args.seed)
+        if not examples:
+            raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
+        device = pick_device(args.device)
+        critic = load_critic(args.critic, device)[0] if args.critic else None
+        model_dir = args.model or str(default_model(args.task, args.data))
+        model, tokenizer = load_model(model_dir, device=str(device))
+        prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
+        engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
+    study = CreditStudy(args.problems, args.samples, args.responses, args.gt_k, args.seed, args.max_new_tokens)
+    bar = progress_bar()
+    job = bar.add_task("credit", total=None, status="sampling responses")
+
+    def progress(name: str):
+        bar.update(job, completed=0, total=None, status=name)
+        return lambda done: bar.update(job, completed=done)
+
+    with bar:
+        result = analyze_credit(engine, prompter, task, examples, study, critic, progress)
+    result.update(model=model_dir, critic=args.critic, data=args.data)
+    (out / "credit.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "credit.md").write_text(table(result) + "\n")
+    plot(result, out / "credit.png")
+    console.print(table(result))
+    console.print(f"{result['wrong']} of {result['responses']} responses wrong; first errors {result['first_error_kinds']}; "
+                  f"{result['timing']['advantages_s']:.0f}s of advantages; wrote {out / 'credit.json'}")
+    if args.json:
+        print(json.dumps({k: result[k] for k in ("summary", "first_error_kinds", "analysed", "responses", "wrong")}))
+    return 0
