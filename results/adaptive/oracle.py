@@ -8,7 +8,7 @@ sums, not simulation):
 - `agree` k/K (the library's rule): k continuations; if all agree the state takes 0 or 1, else it gets K in all;
 - `agree` k/K + own: the same, counting the response's own outcome from that state as the first of the k
   (it is a sample of the same policy from the same prefix, so it costs nothing; the library does not do this,
-  see README for why: in training it correlates a step's baseline with the step's own action);
+  see results/adaptive/NOTES.md for why: in training it correlates a step's baseline with the step's own action);
 - an allocation oracle that knows every p and gives each state a fixed number n of continuations (any n from
   1 to 64, the mean as the estimate): the least continuations for which its expected MAE is at most fixed
   K = 9's, as a Lagrangian lower bound (no allocation of fixed counts, randomised or not, does better). Costs

@@ -4,7 +4,7 @@
 
 DIR holds one `vineppo compare` folder per arm (default, long, long-adaptive), each run with final-eval.jsonl
 (`vineppo eval` of its final checkpoint on the protocol's 2000 test problems x 2 samples), and sft-default.jsonl,
-sft-long.jsonl (the SFT models on the same problems). See README, "Long chains".
+sft-long.jsonl (the SFT models on the same problems). See results/long-chain/README.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-step error rate by step position (README, Long chains): python step_errors.py EVAL.jsonl [ARITH_DATA|-]; first errors at line i / responses with lines 0..i-1 right that had a line i."""
+"""Per-step error rate by step position (results/long-chain/README.md): python step_errors.py EVAL.jsonl [ARITH_DATA|-]; first errors at line i / responses with lines 0..i-1 right that had a line i."""
 import json, sys
 from vineppo.evaluate import first_error_step
 from vineppo.tasks import get_task
