@@ -37,7 +37,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,7 @@ from vineppo.credit import next_round
 from vineppo.engine import ENGINES, SamplingParams, check_engine, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
+from vineppo.models import load_model, pick_device
 from vineppo.prompts import HELP, Prompter
 from vineppo.runs import output_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
@@ -357,6 +358,37 @@ def critic_state_values(critic, pad_id: int) -> Callable[[list[Node]], list[floa
     return values
 
 
+@dataclass
+class Inputs:
+    """What an analysis command works on: the task's examples, the critic (or None), the policy, its engine."""
+
+    task: Any
+    examples: list
+    critic: Any
+    model_dir: str
+    prompter: Prompter
+    engine: Any
+
+
+def load_inputs(args: argparse.Namespace, out: Path, model_dir_of: Callable[[Path | None], str | None]) -> Inputs:
+    """The data, the critic of --critic, and the policy named by model_dir_of(the critic's checkpoint), loaded
+    inside `out`'s folder guard (removed again if any of them fails to load)."""
+    with output_folder(out, f"--out {out}"):
+        task = get_task(args.task)
+        examples = task.load(args.split, args.data, args.seed)
+        if not examples:
+            raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
+        device = pick_device(args.device)
+        critic, ckpt = load_critic(args.critic, device) if args.critic else (None, None)
+        model_dir = model_dir_of(ckpt)
+        if model_dir is None:
+            raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
+        model, tokenizer = load_model(model_dir, device=str(device))
+        prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
+        engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
+    return Inputs(task, examples, critic, model_dir, prompter, engine)
+
+
 # ------------------------------------------------------------------------------------ output
 
 LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
@@ -476,7 +508,6 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `vineppo analyze-values`."""
     from rich.console import Console
 
-    from vineppo.models import load_model, pick_device
     from vineppo.tracking import console as err_console
     from vineppo.tracking import progress_bar
 
@@ -490,19 +521,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--token-budget: smaller than one row (a prompt plus --max-new-tokens {args.max_new_tokens} "
                         f"tokens), got {args.token_budget}")
     out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
-    with output_folder(out, f"--out {out}"):  # removed again if the data or the models fail to load
-        task = get_task(args.task)
-        examples = task.load(args.split, args.data, args.seed)
-        if not examples:
-            raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
-        device = pick_device(args.device)
-        critic, ckpt = load_critic(args.critic, device) if args.critic else (None, None)
-        model_dir = args.model or (str(ckpt) if ckpt else None)
-        if model_dir is None:
-            raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
-        model, tokenizer = load_model(model_dir, device=str(device))
-        prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
-        engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
+    got = load_inputs(args, out, lambda ckpt: args.model or (str(ckpt) if ckpt else None))
+    task, examples, critic, model_dir, tokenizer, prompter, engine = (got.task, got.examples, got.critic,
+                                                                      got.model_dir, got.prompter.tokenizer,
+                                                                      got.prompter, got.engine)
     critic_fn = critic_state_values(critic, tokenizer.pad_token_id) if critic is not None else None
 
     bar = progress_bar()

@@ -38,27 +38,25 @@ from pathlib import Path
 import torch
 
 from vineppo import config as configs
-from vineppo.analysis import load_critic
+from vineppo.analysis import TEMPERATURE, TOP_P, load_inputs
 from vineppo.credit import CreditContext, Episode, get_estimator
-from vineppo.engine import SamplingParams, check_engine, make_engine
+from vineppo.engine import SamplingParams, check_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
-from vineppo.models import load_model, pick_device
 from vineppo.prompts import HELP, Prompter
-from vineppo.runs import output_folder
 from vineppo.sft import default_model
 from vineppo.steps import step_token_ranges, token_char_offsets
-from vineppo.tasks import DATA_HELP, get_task
+from vineppo.tasks import DATA_HELP
 from vineppo.tasks.arith import first_wrong_line
 from vineppo.tracking import console, progress_bar
 
-TEMPERATURE, TOP_P = 0.6, 0.9  # the training sampling settings
 LABELS = {"premature": "behaviour", "skip": "behaviour", "slip": "slip"}  # first-error kind -> analysed label
 VINE = (("vineppo_k1", 1, 0), ("vineppo_k3", 3, 0), ("vineppo_k9", 9, 0), ("vineppo_adaptive", 9, 3))
 
 
 def line_token_ranges(text: str, offsets: list[int]) -> list[tuple[int, int]]:
-    """Token ranges [start, end) of the non-blank lines of `text`, from each token's first character offset."""
+    """Token ranges [start, end) of the non-blank lines of `text`, from each token's first character offset: each
+    line runs to the next non-blank line (text before the first joins it), cut by `steps.step_token_ranges`."""
     starts, pos = [], 0
     for line in text.split("\n"):
         if line.strip():
@@ -66,9 +64,8 @@ def line_token_ranges(text: str, offsets: list[int]) -> list[tuple[int, int]]:
         pos += len(line) + 1
     if not starts:
         return []
-    owner = [max(0, sum(1 for s in starts if s <= off) - 1) for off in offsets]  # tokens before line 0 join it
-    return [(owner.index(k), len(owner) - owner[::-1].index(k)) if k in owner else (0, 0)
-            for k in range(len(starts))]
+    cuts = [0] + starts[1:] + [len(text)]
+    return step_token_ranges([text[a:b] for a, b in zip(cuts, cuts[1:])], offsets)
 
 
 def localisation(adv: torch.Tensor, lines: list[tuple[int, int]], bad: int) -> dict[str, float | None]:
@@ -277,17 +274,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--task {args.task}: analyze-credit reads a response's lines against an arith problem's "
                         "chain of operations; only --task arith is supported")
     out = Path(args.out) if args.out else Path("runs") / f"credit-{time.strftime('%Y%m%d-%H%M%S')}"
-    with output_folder(out, f"--out {out}"):  # removed again if the data or the models fail to load
-        task = get_task(args.task)
-        examples = task.load(args.split, args.data, args.seed)
-        if not examples:
-            raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
-        device = pick_device(args.device)
-        critic = load_critic(args.critic, device)[0] if args.critic else None
-        model_dir = args.model or str(default_model(args.task, args.data))
-        model, tokenizer = load_model(model_dir, device=str(device))
-        prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
-        engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
+    # the policy is the --model, else the task's SFT model (never the --critic run's policy: the study is of SFT)
+    got = load_inputs(args, out, lambda ckpt: args.model or str(default_model(args.task, args.data)))
     study = CreditStudy(args.problems, args.samples, args.responses, args.gt_k, args.seed, args.max_new_tokens)
     bar = progress_bar()
     job = bar.add_task("credit", total=None, status="sampling responses")
@@ -297,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
         return lambda done: bar.update(job, completed=done)
 
     with bar:
-        result = analyze_credit(engine, prompter, task, examples, study, critic, progress)
-    result.update(model=model_dir, critic=args.critic, data=args.data)
+        result = analyze_credit(got.engine, got.prompter, got.task, got.examples, study, got.critic, progress)
+    result.update(model=got.model_dir, critic=args.critic, data=args.data)
     (out / "credit.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "credit.md").write_text(table(result) + "\n")
     plot(result, out / "credit.png")
