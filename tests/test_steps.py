@@ -167,3 +167,29 @@ def test_token_char_offsets_char_tokenizer():
     ids = [chars.index(c) for c in text]
     assert tok.decode(ids) == text
     assert token_char_offsets(tok, ids) == list(range(len(text)))
+
+
+def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
+    """A few-shot response ends with the stop string '\\n\\nProblem:' it was cut at; split by lines, that text
+    would be a step of its own and VinePPO would estimate a state inside the stop string, whose continuations
+    write a whole new problem and answer (the bug that made VinePPO on SmolLM2 one-shot prompts ramble)."""
+    from vineppo.train import _episode
+    from vineppo.tasks import Example, get_task
+
+    task = get_task("arith")
+    text = " 3 * 5 = 15\n#### 15\n\nProblem:"
+    assert task.split_steps(text) == [" 3 * 5 = 15\n#### 15\n", "\nProblem:"]
+    assert task.response_steps(text) == [text]
+    two = " 3 * 5 = 15\n15 - 2 = 13\n#### 13\n\nProblem:\nAva"
+    assert task.response_steps(two) == [" 3 * 5 = 15\n", "15 - 2 = 13\n#### 13\n\nProblem:\nAva"]
+    assert task.response_steps("\n\nProblem:") == ["\n\nProblem:"]
+    assert task.response_steps(" 1 + 1 = 2\n#### 2") == task.split_steps(" 1 + 1 = 2\n#### 2")  # no stop: unchanged
+
+    class Chars:  # one token per character
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    sample = type("S", (), {"text": two, "token_ids": [ord(c) for c in two], "finish_reason": "stop",
+                            "logprobs": [0.0] * len(two)})()
+    episode = _episode(task, Chars(), [1], sample, 0, Example("x", "p", "s", "13"))
+    assert [b - a for a, b in episode.steps] == [len(s) for s in task.response_steps(two)]

@@ -177,7 +177,7 @@ def sample_states(engine, prompter: Prompter, task, examples: list, n_states: in
     for ex, prompt, samples in zip(problems, prompts, outputs):
         rewards = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in samples]
         for m, s in enumerate(samples):
-            steps = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
+            steps = step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
             t = rng.randrange(len(steps))
             # an empty last step starts at the response's end: the state is the finished response
             finished = rewards[m] if steps[t][0] == len(s.token_ids) else None
@@ -199,7 +199,7 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
         prefix = node.seq[node.prompt_len:node.boundary]
         alts = []
         for s in samples:
-            ranges = step_token_ranges(task.split_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
+            ranges = step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
             end = ranges[0][1]
             state = node.seq[:node.boundary] + list(s.token_ids[:end])
             if end == 0:  # a token spans the first step: no state after it to value

@@ -110,7 +110,7 @@ def sample_episodes(engine, prompter: Prompter, task, examples: list, study: Cre
     episodes, owners = [], []
     for g, (ex, prompt, samples) in enumerate(zip(problems, prompts, outputs)):
         for s in samples:
-            steps = step_token_ranges(task.split_steps(s.text), token_char_offsets(prompter.tokenizer, s.token_ids))
+            steps = step_token_ranges(task.response_steps(s.text), token_char_offsets(prompter.tokenizer, s.token_ids))
             reward = outcome_reward(task.grade, s.text, ex.answer, s.finish_reason)
             episodes.append(Episode(prompt, list(s.token_ids), s.text, reward, g, ex.answer, steps,
                                     s.finish_reason != "stop"))

@@ -282,7 +282,7 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
     """Grade one sampled response and map its reasoning steps to token ranges."""
     reward = outcome_reward(task.grade, sample.text, ex.answer, sample.finish_reason)
     offsets = token_char_offsets(tokenizer, sample.token_ids)
-    steps = step_token_ranges(task.split_steps(sample.text), offsets)
+    steps = step_token_ranges(task.response_steps(sample.text), offsets)
     return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex.answer, steps,
                    sample.finish_reason != "stop", list(sample.logprobs))
 

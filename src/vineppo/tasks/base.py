@@ -58,6 +58,18 @@ class Task:
         """The prompt text for one example."""
         return self.prompt_template.format(problem=example.problem)
 
+    def response_steps(self, text: str) -> list[str]:
+        """A sampled response's steps (`split_steps`), a stop string and what follows it joined to the last step.
+
+        The stop string ends the response like EOS: a Monte Carlo state at it, or inside it, would be continued
+        past the point where sampling stopped (the stop string is matched in generated text only), so its value
+        would not be the value of the response that ended there."""
+        cut = min((i for i in (text.find(s) for s in self.stop if s) if i >= 0), default=len(text))
+        steps = self.split_steps(text[:cut]) if cut else []
+        if cut < len(text):
+            steps = steps[:-1] + [(steps[-1] if steps else "") + text[cut:]]
+        return steps
+
     def target(self, example: Example) -> str:
         """The SFT target: the response text that follows the prompt."""
         return " " + example.solution
