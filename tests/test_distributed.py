@@ -108,6 +108,11 @@ def _worker(rank, store, out, fsdp, fn=_update):
     tdist.destroy_process_group()
 
 
+# Two ranks sum their gradients in another order than one process; AdamW at lr 1e-2 turns that rounding, on
+# entries whose gradient is near 0, into weight differences of up to 1.3e-5 (transformers 5.24, torch 2.13).
+ATOL = 1e-4
+
+
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_update_with_two_processes_equals_one(tmp_path, fsdp):
     single = _update(list(range(8)))  # one process encodes shared prompts once; the ranks pack each with its response
@@ -117,8 +122,8 @@ def test_update_with_two_processes_equals_one(tmp_path, fsdp):
     assert any(not torch.equal(start[k], single[k]) for k in single if not k.startswith("critic."))
     assert any(not torch.equal(start[k], single[k]) for k in single if k.startswith("critic."))
     assert single.keys() == double.keys()
-    for k in single:
-        assert torch.allclose(single[k], double[k], atol=1e-5), k
+    for k in single:  # ATOL: float rounding, not a wrong gradient (that moves weights by about lr = 1e-2)
+        assert torch.allclose(single[k], double[k], atol=ATOL), k
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
@@ -130,8 +135,8 @@ def test_restem_and_dpo_steps_with_two_processes_equal_one(tmp_path, fsdp):
     start = _model().state_dict()
     assert any(not torch.equal(start[k], single[k]) for k in single)  # the steps did move the weights
     assert single.keys() == double.keys()
-    for k in single:
-        assert torch.allclose(single[k], double[k], atol=1e-5), k
+    for k in single:  # ATOL: float rounding, not a wrong gradient (that moves weights by about lr = 1e-2)
+        assert torch.allclose(single[k], double[k], atol=ATOL), k
 
 
 def _torchrun(n, *args):
