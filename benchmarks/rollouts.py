@@ -37,13 +37,13 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-from vineppo.engine import ENGINES, Engine, SamplingParams, make_engine
+from vineppo.config import ENGINES
+from vineppo.engine import Engine, SamplingParams, make_engine
 from vineppo.models import seeded_generator
 
 K = 9

@@ -162,7 +162,7 @@ def test_gae_estimator_uses_critic_values():
         def values(self, prompts, responses):
             return [torch.tensor([0.1, 0.5, 0.9]) for _ in responses]
 
-    c = get_estimator("gae")([_ep(1.0, n_tokens=3)], CreditContext(critic=FakeCritic(), lam=1.0))
+    c = get_estimator("gae")([_ep(1.0, n_tokens=3)], CreditContext(critic=FakeCritic(), gae_lambda=1.0))
     assert c.advantages[0].tolist() == pytest.approx([0.9, 0.5, 0.1])
     assert c.returns[0].tolist() == pytest.approx([1.0, 1.0, 1.0])
 

@@ -12,7 +12,6 @@ settings in `config.ALGOS`; the trainer never branches on it.
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -22,13 +21,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vineppo import config as configs
 from vineppo import distributed as dist
 from vineppo import lora, parallel
 from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator, groups
 from vineppo.engine import SamplingParams
+from vineppo.engine.balanced import BalancedContinuations
 from vineppo.errors import UserError
-from vineppo.ppo import Learner, Rollouts, UpdateConfig, aligned, mean_std, pack, ppo_update, token_logprobs, whiten
+from vineppo.minibatch import Loss, Net, Schedule, chunks, drive
+from vineppo.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs, token_mean_std, whiten
 
 
 @dataclass
@@ -84,15 +86,13 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     cfg = ctx.cfg
     t0 = time.perf_counter()
     ctx.status("credit assignment")
-    mc_engine = dist.BalancedContinuations(ctx.engine)
+    mc_engine = BalancedContinuations(ctx.engine)
     critic = parallel.unwrap(ctx.critic) if ctx.critic is not None else None
-    credit_ctx = CreditContext(engine=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade, critic=critic,
-                               params=ctx.params, generator=ctx.generator, mc_k=cfg.mc_k,
-                               mc_max_states=cfg.mc_max_states, mc_k_min=cfg.mc_k_min,
-                               mc_rule=cfg.mc_rule, mc_states=cfg.mc_states, gamma=cfg.gamma, lam=cfg.gae_lambda)
+    credit_ctx = configs.section(CreditContext, cfg, engine=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade,
+                                 critic=critic, params=ctx.params, generator=ctx.generator)
     with ctx.sampling():
         credit = get_estimator(cfg.estimator)(episodes, credit_ctx)
-    metrics = dict(zip(("advantage/mean", "advantage/std"), mean_std(credit.advantages)))
+    metrics = dict(zip(("advantage/mean", "advantage/std"), token_mean_std(credit.advantages)))
     metrics.update(_reduce_stats(credit.stats))
     if mc_engine.states_run:
         metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
@@ -101,17 +101,17 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
 
     ctx.status("updating")
     free_engine(ctx)
-    update_cfg = UpdateConfig(cfg.epochs, cfg.minibatch, cfg.micro_batch, cfg.clip, cfg.kl_coef, cfg.temperature,
-                              cfg.grad_clip, cfg.value_clip, cfg.dtype)
+    update_cfg = configs.section(UpdateConfig, cfg)
     for net in (ctx.policy, ctx.critic):  # gradient checkpointing acts in training mode only
         if net is not None:
             net.train()
     old = [torch.tensor(ep.logprobs) for ep in episodes] if sampler_logprobs(ctx, episodes) else None
-    data = Rollouts([ep.prompt_ids for ep in episodes], [ep.response_ids for ep in episodes], advantages,
-                    ctx.tokenizer.pad_token_id, credit.returns, credit.values, old,
-                    _global_ids(episodes, cfg.samples_per_prompt))
-    stats = ppo_update(Learner(ctx.policy, ctx.reference, ctx.optimizer, ctx.critic, ctx.critic_opt), data, update_cfg,
-                       ctx.order_generator)
+    data = Rollouts(prompts=[ep.prompt_ids for ep in episodes], responses=[ep.response_ids for ep in episodes],
+                    advantages=advantages, pad_id=ctx.tokenizer.pad_token_id, returns=credit.returns,
+                    old_values=credit.values, old_logprobs=old, ids=_global_ids(episodes, cfg.samples_per_prompt))
+    nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
+                   critic_optimizer=ctx.critic_opt)
+    stats = ppo_update(nets, data, update_cfg, ctx.order_generator)
     for net in (ctx.policy, ctx.critic):
         if net is not None:
             net.eval()
@@ -172,45 +172,15 @@ def _device(ctx: Context) -> torch.device:
     return next(ctx.policy.parameters()).device
 
 
-Loss = Callable[[list[int], float], tuple[torch.Tensor, dict[str, float]]]
-
-
 def minibatch_steps(ctx: Context, ids: list[int], weights: list[float], loss_fn: Loss) -> dict[str, float]:
-    """`epochs` passes of AdamW steps over this rank's items; returns the summed statistics.
-
-    `ids` are the items' ids, unique over all ranks; each minibatch is a slice of one permutation of
-    every rank's ids (`minibatch` items), each rank working on its own members. `loss_fn(indices, total)`
-    returns the loss of a micro-batch of local items, already divided by `total`, the minibatch's
-    weight (e.g. tokens) over all ranks; gradients are summed across ranks (by the DDP or FSDP wrapper
-    of `parallel.wrap`), as in `ppo_update`, so N processes take the step one would. Every rank runs the
-    same number of micro-batches (empty ones where it has run out), as those wrappers need.
-    """
+    """`epochs` passes of AdamW steps on the policy over this rank's items (global `ids`, their `weights`: the
+    minibatch's weight over ranks divides `loss_fn`'s loss), micro-batches in order (vineppo.minibatch)."""
     cfg = ctx.cfg
     free_engine(ctx)
-    everyone = sorted(g for part in dist.all_gather_objects(ids) for g in part)
-    local = {g: i for i, g in enumerate(ids)}
-    totals = {"steps": 0.0, "grad_norm": 0.0}
     ctx.policy.train()
-    for _ in range(cfg.epochs):
-        order = [everyone[k] for k in torch.randperm(len(everyone), generator=ctx.order_generator).tolist()]
-        for start in range(0, len(order), cfg.minibatch):
-            mb = [local[g] for g in order[start:start + cfg.minibatch] if g in local]
-            total = dist.all_sum([sum(weights[i] for i in mb)])[0]
-            ctx.optimizer.zero_grad(set_to_none=True)
-            micro = aligned([mb[m:m + cfg.micro_batch] for m in range(0, len(mb), cfg.micro_batch)])
-            for k, idx in enumerate(micro):
-                with parallel.no_sync(ctx.policy, sync=k == len(micro) - 1):
-                    loss, stats = loss_fn(idx, total)
-                    loss.backward()
-                for key, v in stats.items():
-                    totals[key] = totals.get(key, 0.0) + v
-            norm = parallel.clip_grad_norm(ctx.policy, cfg.grad_clip)
-            if not math.isfinite(norm):  # a NaN/inf loss shows here, identically on every rank
-                raise FloatingPointError(f"the loss or its gradient is not finite (grad norm {norm}); "
-                                         "the optimiser step was skipped")
-            totals["grad_norm"] += norm
-            ctx.optimizer.step()
-            totals["steps"] += 1
+    schedule = Schedule(epochs=cfg.epochs, minibatch=cfg.minibatch, grad_clip=cfg.grad_clip,
+                        generator=ctx.order_generator, split=lambda mb: chunks(mb, cfg.micro_batch))
+    totals = drive([Net(ctx.policy, ctx.optimizer, loss_fn)], schedule, ids, weights)
     ctx.policy.eval()
     return totals
 
@@ -311,7 +281,7 @@ def dpo_positive(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     used = sorted({i for pair in pairs for i in pair})
     ref = {}
     with torch.no_grad():  # the reference's sequence log-probs, once per iteration
-        for part in aligned([used[m:m + cfg.micro_batch] for m in range(0, len(used), cfg.micro_batch)]):
+        for part in chunks(used, cfg.micro_batch):
             logp, mask = sequence_logprobs(ctx.reference, [episodes[i].prompt_ids for i in part],
                                            [episodes[i].response_ids for i in part], pad, ctx)
             ref.update(zip(part, (logp * mask).sum(-1)))

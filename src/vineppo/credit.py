@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from vineppo.engine import SamplingParams
+from vineppo.errors import UserError
 from vineppo.grading import continuation_reward
 
 
@@ -60,7 +61,7 @@ class CreditContext:
     mc_rule: str = "agree"  # adaptive K: when a state is settled (`settled`)
     mc_states: str = "all"  # which step starts are states (`state_offsets`)
     gamma: float = 1.0
-    lam: float = 1.0  # GAE lambda for critic-based estimators
+    gae_lambda: float = 1.0  # GAE lambda for critic-based estimators
     progress: Callable[[int], None] | None = None
 
 
@@ -80,8 +81,6 @@ def register(name: str) -> Callable[[Estimator], Estimator]:
 
 def get_estimator(name: str) -> Estimator:
     """The estimator registered as `name`."""
-    from vineppo.errors import UserError
-
     if name not in ESTIMATORS:
         raise UserError(f"unknown credit estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
     return ESTIMATORS[name]
@@ -277,7 +276,7 @@ def critic_gae(episodes: list[Episode], ctx: CreditContext) -> Credit:
     for ep, v in zip(episodes, values):
         rewards = torch.zeros_like(v)
         rewards[-1] = ep.reward
-        adv = gae(v, rewards, ctx.gamma, ctx.lam)
+        adv = gae(v, rewards, ctx.gamma, ctx.gae_lambda)
         advantages.append(adv)
         returns.append(adv + v)
     flat = torch.cat(values)

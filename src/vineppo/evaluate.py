@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vineppo import config as configs
-from vineppo.engine.api import ENGINES, check_engine, make_engine
+from vineppo.config import ENGINES, check_engine
+from vineppo.engine import SamplingParams, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.models import context_length, load_model, seeded_generator
@@ -101,8 +104,6 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
     """{'pass@1', 'greedy', their lenient twins, 'parsable', 'results': per-problem rows, ...} for `examples` (seeded).
 
     `engine`: a vineppo.engine backend; it holds the model and tokenizer evaluated."""
-    from vineppo.engine import SamplingParams
-
     model, tokenizer = engine.model, engine.tokenizer
     samples, max_new_tokens, seed = settings.samples, settings.max_new_tokens, settings.seed
     if not examples:
@@ -259,9 +260,6 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
     prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
     engine = make_engine(args.engine, model, tokenizer, model_dir=name, token_budget=args.token_budget)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         job, last = bar.add_task("eval", total=len(examples) * (args.samples + 1)), [0]

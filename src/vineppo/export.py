@@ -14,14 +14,14 @@ from pathlib import Path
 
 from vineppo import config as configs
 from vineppo import runs
-from vineppo.prompts import save_format, saved_format
 from vineppo.errors import UserError
+from vineppo.models import load_model
+from vineppo.prompts import save_format, saved_format
+from vineppo.sft import default_model
 
 
 def export(run: Path, out: Path, checkpoint: str | None = None) -> dict:
     """Write checkpoint `checkpoint` (default: the latest) of `run` as a model folder in `out`; returns a summary."""
-    from vineppo.models import load_model
-
     ckpt = run / "checkpoints" / checkpoint if checkpoint else runs.latest(run)
     if ckpt is None or not ckpt.is_dir():
         raise UserError(f"{run}: no checkpoint {checkpoint or 'yet'} (not a run folder, or one that stopped before "
@@ -56,7 +56,6 @@ def _start_model(run: Path) -> str:
     cfg = configs.load(run / "config.yaml")
     if cfg.model != "auto":
         return cfg.model
-    from vineppo.sft import default_model
 
     return str(default_model(cfg.task, cfg.data))
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -203,12 +205,9 @@ atexit.register(_VERIFIER.close)
 
 def _serve() -> None:
     """Worker loop: read `[pred, gold, timeout]` lines, answer `1` or `0` lines."""
-    import logging
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent; it kills us when it exits
     logging.disable(logging.CRITICAL)
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # math-verify's worker: only this subprocess imports it
 
     reply = sys.stdout
     sys.stdout = sys.stderr  # a library's stray print must not be read as an answer

@@ -40,7 +40,8 @@ import torch
 from vineppo import config as configs
 from vineppo.analysis import TEMPERATURE, TOP_P, load_inputs
 from vineppo.credit import CreditContext, Episode, get_estimator
-from vineppo.engine import SamplingParams, check_engine
+from vineppo.config import check_engine
+from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward
 from vineppo.prompts import HELP, Prompter
@@ -155,7 +156,7 @@ def advantages(episodes: list[Episode], chosen: list[int], ctx: CreditContext, g
         sub = replace(ctx, mc_k=k, mc_k_min=k_min, generator=gen, progress=progress(name) if progress else None)
         out[name] = get_estimator("vine")(subset, sub).advantages
     if critic is not None:
-        out["ppo_critic"] = get_estimator("gae")(subset, replace(ctx, critic=critic, lam=1.0)).advantages
+        out["ppo_critic"] = get_estimator("gae")(subset, replace(ctx, critic=critic, gae_lambda=1.0)).advantages
     return out
 
 
@@ -220,7 +221,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib  # only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     labels, methods = list(result["summary"]), result["methods"]
     fig, ax = plt.subplots(figsize=(8, 3.6))

@@ -22,6 +22,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as bpe
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers.utils import logging as hf_logging
 
 from vineppo.errors import UserError
 from vineppo.tasks.data import reachable
@@ -36,8 +41,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def pretrained(model: torch.nn.Module) -> torch.nn.Module:
     """The outermost transformers model inside `model` (itself, a Critic's body, or a LoRA model's base); `model`
     itself when it holds none."""
-    from transformers import PreTrainedModel
-
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
 
 
@@ -92,10 +95,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def quiet_transformers() -> None:
     """Turn off transformers' per-file progress bars and info logs (our commands draw their own)."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _offline() -> bool:
@@ -137,14 +138,12 @@ def packaged_gguf(name: str) -> Path:
 
 def _load_gguf(path: Path, dtype: torch.dtype):
     """(model, tokenizer) from a GGUF file, dequantised to plain float weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"loading {path} needs the package(s) {', '.join(missing)}: pip install 'vineppo[gguf]'")
     kw = {"gguf_file": path.name, "dtype": dtype}
     try:  # transformers >= 5 keeps GGUF blocks packed where it can, marked quantized (unsaveable, not trainable)
-        from transformers import GgufConfig
+        from transformers import GgufConfig  # transformers >= 5 only (older versions: the except below)
 
         kw["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older versions always dequantise
@@ -156,8 +155,6 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
                verbose: bool = True):
     """(model, tokenizer) from a local folder, GGUF file or hub id; pad token = eos if missing; eval mode on device."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     quiet_transformers()
     name = str(path_or_hub_id)
     dev = pick_device(device)
@@ -206,10 +203,7 @@ def context_length(model) -> int:
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):
     """A byte-level BPE tokenizer (digits split one per token, exact round trip) trained on `texts`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(bpe.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
@@ -224,8 +218,6 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512):
 
 def tiny_config(arch: str, vocab_size: int, eos_id: int, hidden: int, layers: int, heads: int, mlp: int):
     """A small transformers config of the given architecture ('llama', 'qwen2' or 'gpt2')."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
-
     common = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
                   tie_word_embeddings=True)
     if arch == "llama":
@@ -244,8 +236,6 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, hidden: int, layers: in
 
 def tiny_model(task, seed: int = 0, arch: str = "llama", vocab_size: int = 512, data: str | None = None, **size):
     """(model, tokenizer): a freshly initialised tiny model and a tokenizer trained on the task's train split."""
-    from transformers import AutoModelForCausalLM
-
     quiet_transformers()
     examples = task.load("train", data, seed)
     if not examples:

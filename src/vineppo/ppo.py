@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from vineppo import distributed as dist
 from vineppo import parallel
-from vineppo.models import cache_keyword, pretrained
+from vineppo.minibatch import Net, Schedule, aligned, drive
+from vineppo.models import cache_keyword, load_model, pretrained
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Prompts:
 
 
 @dataclass
-class Batch:
+class Packed:
     """Episodes packed so that every response starts at one column P (the longest prompt): prompts left-padded,
     responses right-padded. Per-token tensors cover the R response columns only: column t is response token t,
     predicted by the logits at position P - 1 + t, so the model is scored on those positions alone."""
@@ -43,9 +45,9 @@ class Batch:
     returns: torch.Tensor  # [B, R] (zeros without a critic)
     prompts: Prompts | None = None  # set: token_logprobs encodes each distinct prompt once
 
-    def to(self, device: torch.device) -> Batch:
+    def to(self, device: torch.device) -> Packed:
         """This batch with every tensor on `device`."""
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.mask,
+        return Packed(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.mask,
                                               self.advantages, self.returns)),
                      self.prompts.to(device) if self.prompts is not None else None)
 
@@ -57,7 +59,7 @@ class Batch:
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
          advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None,
-         share: bool = False) -> Batch:
+         share: bool = False) -> Packed:
     """Pack prompt+response sequences, responses aligned at one column, per-response-token values placed on them;
     `share`: also the distinct prompts (Prompts), for models that can take them as a KV cache (`can_share`).
 
@@ -81,7 +83,7 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             ret[i, : len(r)] = returns[i]
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     if not share:
-        return Batch(ids, attn, positions, mask, adv, ret)
+        return Packed(ids, attn, positions, mask, adv, ret)
     distinct: dict[tuple[int, ...], int] = {}
     rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
     width = max(map(len, distinct))
@@ -89,16 +91,16 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
                                                                                              dtype=torch.long)
     for u, p in enumerate(distinct):
         p_ids[u, width - len(p):], p_attn[u, width - len(p):] = torch.tensor(p), 1
-    return Batch(ids, attn, positions, mask, adv, ret, Prompts(p_ids, p_attn, rows))
+    return Packed(ids, attn, positions, mask, adv, ret, Prompts(p_ids, p_attn, rows))
 
 
 def can_share(model: nn.Module) -> bool:
-    """True when `model` can score a Batch with shared prompts: one process (DDP and FSDP see one forward per
+    """True when `model` can score a Packed with shared prompts: one process (DDP and FSDP see one forward per
     backward) and no activation checkpointing (transformers drops the KV cache of a checkpointed layer)."""
     return not dist.active() and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-def token_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model: nn.Module, batch: Packed, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each response token under softmax(logits / T), and the entropy of that distribution: [B, R].
 
     The LM head runs only on the scored positions (`logits_to_keep`): with a 50k vocabulary, logits for the
@@ -115,11 +117,9 @@ def token_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[
     return logp, entropy
 
 
-def _shared_prompt_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+def _shared_prompt_logits(model: nn.Module, batch: Packed) -> torch.Tensor:
     """The logits of token_logprobs in two passes: the distinct prompts, then every response on its prompt's keys
     and values (indexed per row, so gradients flow back to the shared prompt pass), exactly as one pass would."""
-    from transformers import DynamicCache  # transformers is imported lazily throughout (vineppo.models)
-
     sp, R = batch.prompts, batch.mask.shape[1]
     config, kw = pretrained(model).config, cache_keyword(model)
     cache = DynamicCache(config=config)
@@ -175,11 +175,9 @@ class Critic(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device) -> "Critic":
         """A critic whose body is the causal LM at `path` (folder, .gguf file or hub id) without its LM head."""
-        from vineppo.models import load_model
-
         return cls.from_model(load_model(path, device=str(device), verbose=False)[0])
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Packed) -> torch.Tensor:
         """V(prefix) before every response token: [B, R]."""
         hidden = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                            position_ids=batch.position_ids).last_hidden_state
@@ -200,7 +198,7 @@ class Critic(nn.Module):
 
 
 
-def mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
+def token_mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
     """Mean and (population) standard deviation of all elements, over every rank."""
     flat = torch.cat(values).double()
     n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat**2).sum())])
@@ -210,7 +208,7 @@ def mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
 
 def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     """Shift and scale all tokens' advantages (over every rank) to mean 0, std 1."""
-    mean, std = mean_std(advantages)
+    mean, std = token_mean_std(advantages)
     return [((a - mean) / (std + 1e-8)).float() for a in advantages]
 
 
@@ -255,72 +253,52 @@ class Learner:
 
 
 def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torch.Generator) -> dict[str, float]:
-    """`cfg.epochs` passes of clipped-PPO minibatch steps over this rank's episodes; returns summed statistics.
+    """`cfg.epochs` passes of clipped-PPO minibatch steps (vineppo.minibatch) over this rank's episodes, the critic
+    stepped beside the policy; returns summed statistics.
 
-    Each minibatch is a slice of one permutation of the global ids, every rank working on its own members; the
-    loss is divided by the minibatch's token count over all ranks and gradients are summed across ranks
-    (models wrapped by `parallel.wrap`), so N processes take the same step as one. Old log-probs come from
-    `data.old_logprobs` when the sampler gave them (the same weights and temperature: one forward pass fewer);
-    `logprob_gap` then reports their largest difference from the trainer's own, measured before the first step.
+    Old log-probs come from `data.old_logprobs` when the sampler gave them (the same weights and temperature: one
+    forward pass fewer); `logprob_gap` then reports their largest difference from the trainer's own, measured
+    before the first step.
     """
-    policy, critic, optimizer, critic_optimizer = nets.policy, nets.critic, nets.optimizer, nets.critic_optimizer
+    policy, critic = nets.policy, nets.critic
     prompts, responses, advantages, returns = data.prompts, data.responses, data.advantages, data.returns
     device = next(policy.parameters()).device
     share = can_share(policy)
     old_logp, ref_logp = _before_update(nets, data, cfg, device, share and can_share(nets.reference))
-    # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
-    local = {g: i for i, g in enumerate(range(len(prompts)) if data.ids is None else data.ids)}
-    n_global = int(dist.all_sum([float(len(prompts))])[0])
     totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0, "value_loss": 0.0,
               "grad_norm": 0.0, "steps": 0.0, "logprob_gap": 0.0}
-    for _ in range(cfg.epochs):
-        order = torch.randperm(n_global, generator=generator).tolist()
-        for start in range(0, n_global, cfg.minibatch):
-            mb = [local[g] for g in order[start:start + cfg.minibatch] if g in local]
-            n_tok = dist.all_sum([float(sum(len(responses[i]) for i in mb))])[0]
-            optimizer.zero_grad(set_to_none=True)
-            if critic_optimizer is not None:
-                critic_optimizer.zero_grad(set_to_none=True)
-            micro = micro_batches(mb, prompts, cfg.micro_batch)
-            for k, idx in enumerate(micro):
-                b = pack([prompts[i] for i in idx], [responses[i] for i in idx], data.pad_id,
-                         [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share)
-                b = b.to(device)
-                old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
-                ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
-                sync = k == len(micro) - 1  # DDP all-reduces on the minibatch's last backward only
-                with parallel.no_sync(policy, sync):
-                    with parallel.autocast(device, cfg.dtype):
-                        logp, entropy = token_logprobs(policy, b, cfg.temperature)
-                    loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
-                    loss.backward()
-                if data.old_logprobs is not None and totals["steps"] == 0 and b.mask.any():  # still the sampler
-                    gap = float(((logp.detach() - old).abs() * b.mask).max())
-                    totals["logprob_gap"] = max(totals["logprob_gap"], gap)
-                totals["loss"] += float(loss.detach()) * n_tok
-                totals["kl"] += stats["kl"]
-                totals["clipped"] += stats["clipped"]
-                totals["entropy"] += float((entropy.detach() * b.mask).sum())
-                totals["tokens"] += float(b.mask.sum())
-                if critic is not None:
-                    with parallel.no_sync(critic, sync):
-                        with parallel.autocast(device, cfg.dtype):
-                            v = critic(b)
-                        ov = _pad_values([data.old_values[i] for i in idx], b.mask, device)
-                        vl = value_loss(v, ov, b.returns, b.mask, cfg.value_clip, n_tok)
-                        vl.backward()
-                    totals["value_loss"] += float(vl.detach()) * n_tok
-            norm = parallel.clip_grad_norm(policy, cfg.grad_clip)
-            if not math.isfinite(norm):  # a NaN/inf loss shows here, identically on every rank
-                raise FloatingPointError(f"the loss or its gradient is not finite (grad norm {norm}); "
-                                         "the optimiser step was skipped")
-            totals["grad_norm"] += norm
-            optimizer.step()
-            if critic is not None:
-                parallel.clip_grad_norm(critic, cfg.grad_clip)
-                critic_optimizer.step()
-            totals["steps"] += 1
-    return totals
+    packed: dict[str, Packed] = {}  # the micro-batch the policy's loss packed, which the critic's loss reuses
+
+    def policy_step(idx: list[int], n_tok: float) -> tuple[torch.Tensor, dict[str, float]]:
+        b = pack([prompts[i] for i in idx], [responses[i] for i in idx], data.pad_id,
+                 [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share).to(device)
+        packed["batch"] = b
+        old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
+        ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
+        with parallel.autocast(device, cfg.dtype):
+            logp, entropy = token_logprobs(policy, b, cfg.temperature)
+        loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
+        if data.old_logprobs is not None and totals["steps"] == 0 and b.mask.any():  # still the sampler's weights
+            totals["logprob_gap"] = max(totals["logprob_gap"], float(((logp.detach() - old).abs() * b.mask).max()))
+        return loss, {"loss": float(loss.detach()) * n_tok, "kl": stats["kl"], "clipped": stats["clipped"],
+                      "entropy": float((entropy.detach() * b.mask).sum()), "tokens": float(b.mask.sum())}
+
+    def critic_step(idx: list[int], n_tok: float) -> tuple[torch.Tensor, dict[str, float]]:
+        b = packed["batch"]
+        with parallel.autocast(device, cfg.dtype):
+            v = critic(b)
+        old_v = _pad_values([data.old_values[i] for i in idx], b.mask, device)
+        loss = value_loss(v, old_v, b.returns, b.mask, cfg.value_clip, n_tok)
+        return loss, {"value_loss": float(loss.detach()) * n_tok}
+
+    steps = [Net(policy, nets.optimizer, policy_step)]
+    if critic is not None:
+        steps.append(Net(critic, nets.critic_optimizer, critic_step))
+    # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
+    ids = list(range(len(prompts))) if data.ids is None else data.ids
+    schedule = Schedule(epochs=cfg.epochs, minibatch=cfg.minibatch, grad_clip=cfg.grad_clip, generator=generator,
+                        split=lambda mb: micro_batches(mb, prompts, cfg.micro_batch))
+    return drive(steps, schedule, ids, [float(len(r)) for r in responses], totals)
 
 
 def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: torch.device,
@@ -339,12 +317,6 @@ def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: tor
             ref, _ = token_logprobs(nets.reference, b, cfg.temperature)
             ref_logp.update((i, ref[j]) for j, i in enumerate(idx))
     return old_logp, ref_logp
-
-
-def aligned(batches: list[list[int]]) -> list[list[int]]:
-    """Pad with empty micro-batches to the most any rank has: every rank must join every forward and backward."""
-    most = max(dist.all_gather_objects(len(batches)))
-    return batches + [[] for _ in range(most - len(batches))]
 
 
 def micro_batches(indices: list[int], prompts: list[list[int]], size: int) -> list[list[int]]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -233,7 +234,6 @@ def weights_digest(model: str) -> str | None:
     path = Path(model).expanduser()
     if not path.exists():
         try:
-            from huggingface_hub import snapshot_download  # only for hub ids
 
             path = Path(snapshot_download(model, local_files_only=True))
         except Exception:  # noqa: BLE001 - not a hub id, or not in the cache: nothing on disk to hash

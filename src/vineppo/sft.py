@@ -281,7 +281,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     t0 = time.time()
     tmp = temp_dir(out)
     try:
-        _train(Loop(net, opts, scheds, items, hp["batch_size"], total, tokenizer.pad_token_id, dev, use_bf16), cfg, tmp)
+        _fit(Loop(net, opts, scheds, items, hp["batch_size"], total, tokenizer.pad_token_id, dev, use_bf16), cfg, tmp)
         config["time_s"] = round(time.time() - t0, 1)
         (tmp / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_format(tmp, prompter.format)
@@ -306,7 +306,7 @@ class Loop:
     bf16: bool  # bfloat16 autocast
 
 
-def _train(loop: Loop, cfg: SFTConfig, tmp: Path) -> None:
+def _fit(loop: Loop, cfg: SFTConfig, tmp: Path) -> None:
     """The training loop; metrics go to tmp/metrics.jsonl as it runs."""
     net, items, total, dev = loop.net, loop.items, loop.total, loop.device
     progress, log_every = cfg.progress, cfg.log_every

@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vineppo.errors import UserError
+
 console = Console(stderr=True)
 
 
@@ -26,14 +28,13 @@ class Tracker:
             kept = [ln for ln in lines if json.loads(ln).get("iteration", 0) <= keep_until]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy: only when the run writes TensorBoard files
 
             self.tb = SummaryWriter(str(out / "tensorboard"))
         if wandb_project:
             try:
-                import wandb
+                import wandb  # optional dependency: vineppo[wandb]
             except ImportError:
-                from vineppo.errors import UserError
 
                 raise UserError("--wandb needs the wandb package: pip install 'vineppo[wandb]'") from None
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(out))
@@ -77,7 +78,7 @@ def plot_run(out: Path) -> Path | None:
     import matplotlib  # heavy; only runs that evaluate draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     names = sorted({k.rsplit("/", 1)[1] for r in points for k, v in r.items() if k.startswith("test/behaviour/") and v})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

@@ -16,23 +16,24 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from vineppo import config as configs
 from vineppo import distributed as dist
-from vineppo import lora, parallel
-from vineppo import runs
+from vineppo import lora, parallel, runs
 from vineppo.algorithms import Context, get_algorithm
-from vineppo.config import TrainConfig
-from vineppo.credit import Episode
-from vineppo.engine import Engine, SamplingParams, check_engine, make_engine
+from vineppo.config import TrainConfig, check_engine
+from vineppo.credit import Episode, groups
+from vineppo.engine import Engine, SamplingParams, make_engine
 from vineppo.errors import UserError
+from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
 from vineppo.grading import outcome_reward
-from vineppo.models import context_length
+from vineppo.models import context_length, disable_dropout, load_model
 from vineppo.ppo import Critic
 from vineppo.prompts import Prompter
+from vineppo.sft import default_model
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, plot_run, progress_bar
@@ -51,8 +52,108 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
         return _train(cfg, out, resume is not None, device)
 
 
+@dataclass
+class RunState:
+    """A run's progress and records; a checkpoint's state.json holds it (keys spelled as in the summary)."""
+
+    iteration: int = 0  # iterations done
+    wall_clock_s: float = 0.0  # since training began (the SFT model's evaluation is not counted)
+    train_s: float = 0.0  # sampling, credit and updates so far: what --time-budget-s counts
+    sft_test_pass1: float | None = None  # the SFT model's test pass@1 (iteration 0)
+    best_test_pass1: float | None = None  # the best test pass@1 of any evaluation
+    final_test_pass1: float | None = None  # the latest evaluation's test pass@1
+    best_val_iteration: int | None = None  # the iteration with the best validation pass@1 (the earliest on ties)
+    best_val_pass1: float | None = None
+    test_at_best_val_pass1: float | None = None  # the test pass@1 at best_val_iteration
+    sft_test_behaviours: dict | None = None  # behaviour shares among the SFT model's test samples
+    final_test_behaviours: dict | None = None  # behaviour shares among the latest evaluation's test samples
+
+    def to_json(self) -> dict:
+        """The state as state.json and summary.json spell it (pass@1)."""
+        return {k.replace("pass1", "pass@1"): v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, saved: dict) -> RunState:
+        """The state of a state.json; one written before a field existed keeps that field's default."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in ((k.replace("pass@1", "pass1"), v) for k, v in saved.items()) if k in names})
+
+    def record(self, iteration: int, scores: dict[str, float]) -> None:
+        """Keep the best test pass@1, and the iteration with the best validation pass@1 (the earliest on ties)."""
+        test, val = scores.get("test/pass@1"), scores.get("val/pass@1")
+        if test is not None:
+            self.best_test_pass1 = max(test, self.best_test_pass1 or 0.0)
+        if val is not None and (self.best_val_pass1 is None or val > self.best_val_pass1):
+            self.best_val_iteration, self.best_val_pass1, self.test_at_best_val_pass1 = iteration, val, test
+
+
+class Progress:
+    """The run's progress bar: one line, a phase text, advanced once per iteration."""
+
+    def __init__(self, cfg: TrainConfig, done: int, enabled: bool):
+        self.bar = progress_bar(enabled=enabled)
+        self.bar.start()
+        self.job = self.bar.add_task(f"{cfg.algo} on {cfg.task}", total=cfg.iterations, completed=done, status="")
+
+    def status(self, text: str) -> None:
+        """Show the phase the run is in."""
+        self.bar.update(self.job, status=text)
+
+    def advance(self, text: str) -> None:
+        """Count one iteration done, with its result as the status."""
+        self.bar.update(self.job, advance=1, status=text)
+
+
+@dataclass
+class Run:
+    """Everything the loop reads, made once by `setup`; `state` is what advances."""
+
+    cfg: TrainConfig
+    out: Path  # the run folder (locked)
+    device: torch.device
+    task: Task
+    algorithm: Callable[..., dict[str, float]]  # vineppo.algorithms: the update registered under cfg.algo
+    train_set: list[Example]
+    test_set: list[Example]  # the evaluated test problems (empty: no evaluation)
+    val_set: list[Example]  # the validation problems (empty: no model selection)
+    prompter: Prompter
+    tokenizer: Any
+    models: Models
+    sampler: torch.nn.Module  # what the engine samples from: the policy, or the frozen SFT model (DPO+'s offline samples)
+    engine: Engine
+    eval_engine: Engine  # samples the policy: the engine itself when it does, else a native one
+    params: SamplingParams  # the training responses' sampling settings
+    ctx: Context  # what the algorithm is handed; its generators are set per iteration
+    tracker: Tracker
+    progress: Progress
+    state: RunState
+    watch: _SignalWatch
+    clock: float = 0.0  # perf_counter() at which wall_clock_s was 0
+
+    def sampling(self, *nets: torch.nn.Module):
+        """Around the engine: it samples from whole weights (sharded models gathered), in the run's dtype."""
+        return parallel.sampling(self.device, self.cfg.dtype, *nets)
+
+
 def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> dict:
-    """The run, its folder locked: folder and data checks before any model loads, then models, then the loop."""
+    """The run, its folder locked: set up, evaluate the SFT model, iterate, summarise."""
+    run = setup(cfg, out, resume, device)
+    if run.state.iteration == 0 and (run.test_set or run.val_set):
+        run.progress.status("evaluating the SFT model")
+        scores = evaluate_policy(run, 0)
+        run.state.sft_test_pass1, run.state.sft_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
+        run.state.record(0, scores)
+        with _disk_errors(out):
+            run.tracker.log(0, scores)
+        run.clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
+    for it in range(run.state.iteration, cfg.iterations):
+        if iteration(run, it):
+            break
+    return finish(run)
+
+
+def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Run:
+    """Folder and data checks before any model loads, then the models, engines, tracker and (on resume) state."""
     main = dist.is_main()
     task = get_task(cfg.task)
     algorithm = get_algorithm(cfg)
@@ -69,24 +170,17 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
     if main and resume:
         runs.check_start_model(out, model_dir)
-    from vineppo.models import load_model
-
     policy, tokenizer = load_model(model_dir, device=str(device), dtype=policy_dtype(cfg), verbose=main)
     prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
     _check_lengths(cfg, prompter, policy, train_set, test_set, val_set)
     models = build_models(cfg, policy, device)
-    trained, policy, critic = models.trained, models.trained.policy, models.trained.critic
-    sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]  # sft: DPO+'s offline samples
+    policy = models.trained.policy
+    sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]
     engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
-    # evaluation samples from the policy: with the engine when it samples the policy, else a native one
     eval_engine = engine if sampler is policy else Engine(policy, tokenizer, token_budget=cfg.token_budget)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
 
-    state = {"iteration": 0, "wall_clock_s": 0.0, "train_s": 0.0, "sft_test_pass@1": None, "best_test_pass@1": None,
-             "final_test_pass@1": None, "best_val_iteration": None, "best_val_pass@1": None,
-             "test_at_best_val_pass@1": None, "sft_test_behaviours": None, "final_test_behaviours": None}
-    if resume:  # a checkpoint from before validation existed lacks its keys
-        state.update(runs.load_checkpoint(found, trained, device))
+    state = RunState.from_json(runs.load_checkpoint(found, models.trained, device)) if resume else RunState()
     if main:  # on resume, config.yaml records the total now asked for, so a plain --resume continues to it
         with _disk_errors(out):
             configs.save(cfg, out / "config.yaml")
@@ -94,149 +188,143 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
                 runs.record_start_model(out, model_dir)
     dist.barrier()
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
-                      keep_until=state["iteration"] if resume else None, enabled=main)
+                      keep_until=state.iteration if resume else None, enabled=main)
+    progress = Progress(cfg, state.iteration, enabled=main)
+    run = Run(cfg, out, device, task, algorithm, train_set, test_set, val_set, prompter, tokenizer, models, sampler,
+              engine, eval_engine, params, None, tracker, progress, state, _SignalWatch(enabled=main),
+              clock=time.perf_counter() - state.wall_clock_s)
+    run.ctx = Context(cfg=cfg, policy=models.trainee, reference=models.reference, optimizer=models.trained.optimizer,
+                      tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic_trainee,
+                      critic_opt=models.trained.critic_opt, status=progress.status,
+                      sampling=lambda: run.sampling(sampler, models.trained.critic))
+    return run
 
-    def sampling(*nets):  # the engine samples from whole weights (sharded models gathered), in the run's dtype
-        return parallel.sampling(device, cfg.dtype, *nets)
 
-    def evaluate_now(iteration: int) -> dict[str, float]:
-        """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now."""
-        from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
+def iteration(run: Run, it: int) -> bool:
+    """Iteration `it` (from 0): sample, grade, the algorithm's update, evaluate, log, checkpoint; True if the last."""
+    cfg, state = run.cfg, run.state
+    # Every random choice of an iteration comes from (seed, iteration, rank): a resumed run, or one on
+    # a different number of ranks, draws the same prompts as the uninterrupted one.
+    rng = random.Random(f"{cfg.seed}-{it}")
+    gen = torch.Generator(device=run.device).manual_seed(hash((cfg.seed, it, dist.rank())) % 2**62)
+    order_gen = torch.Generator().manual_seed(hash((cfg.seed, it)) % 2**62)
 
-        scores = {}
-        settings = EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed + iteration)
-        for key, examples in (("test/pass@1", test_set), ("val/pass@1", val_set)):
-            if not examples:
-                continue
-            mine = examples[dist.rank()::dist.world()]
-            with sampling(policy):
-                result = evaluate(eval_engine, task, mine, settings, prompter)
-            total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
-            scores[key] = total / max(n, 1)
-            if task.behaviour and key == "test/pass@1":  # which ways of answering the samples took, and how well
-                table = behaviour_table(task, dist.all_sum(behaviour_counts(task, result["results"])))
-                scores.update({f"test/behaviour/{name}": v["share"] for name, v in table.items()})
-                scores.update({f"test/behaviour_pass@1/{name}": v["pass@1"] for name, v in table.items()
-                               if v["pass@1"] is not None})
-        return scores
+    # 1. Sample: this rank's share of the iteration's prompts, several responses each.
+    t0 = time.perf_counter()
+    run.progress.status("sampling")
+    picked = [rng.randrange(len(run.train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
+    mine = [(g, run.train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
+    prompt_ids = run.prompter.encode([ex for _, ex in mine])
+    with run.sampling(run.sampler):
+        outputs = run.engine.generate(prompt_ids, cfg.samples_per_prompt, run.params, gen)
 
-    bar = progress_bar(enabled=main)
-    bar.start()
-    job = bar.add_task(f"{cfg.algo} on {cfg.task}", total=cfg.iterations, completed=state["iteration"], status="")
-    clock = time.perf_counter() - state["wall_clock_s"]
-    watch = _SignalWatch(enabled=main)
-    if state["iteration"] == 0 and (test_set or val_set):
-        bar.update(job, status="evaluating the SFT model")
-        scores = evaluate_now(0)
-        state["sft_test_pass@1"] = scores.get("test/pass@1")
-        state["sft_test_behaviours"] = _behaviours(scores)
-        _record(state, 0, scores)
-        with _disk_errors(out):
-            tracker.log(0, scores)
-        clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
-    ctx = Context(cfg, models.trainee, models.reference, trained.optimizer, tokenizer, engine, params, task.grade,
-                  models.critic_trainee, trained.critic_opt, status=lambda text: bar.update(job, status=text),
-                  sampling=lambda: sampling(sampler, critic))
+    # 2. Grade and cut into steps; with --oversample, keep the prompts whose responses differ in reward.
+    sampled = [_episode(run.task, run.tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
+               for s in samples]
+    episodes = _informative(sampled, cfg.prompts_per_iter) if cfg.oversample > 1 else sampled
+    metrics = _sample_metrics(run, it, mine, outputs, sampled, episodes)
+    run.watch.update(metrics)
+    t1 = time.perf_counter()
 
-    for it in range(state["iteration"], cfg.iterations):
-        # Every random choice of an iteration comes from (seed, iteration, rank): a resumed run, or one on
-        # a different number of ranks, draws the same prompts as the uninterrupted one.
-        rng = random.Random(f"{cfg.seed}-{it}")
-        gen = torch.Generator(device=device).manual_seed(hash((cfg.seed, it, dist.rank())) % 2**62)
-        order_gen = torch.Generator().manual_seed(hash((cfg.seed, it)) % 2**62)
-        metrics: dict[str, float] = {}
+    # 3. The algorithm's update on these episodes (vineppo.algorithms): credit + PPO, RestEM or DPO+.
+    try:
+        metrics.update(run.algorithm(episodes, dataclasses.replace(run.ctx, generator=gen, order_generator=order_gen)))
+    except FloatingPointError as e:
+        raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
+                        f"checkpoint: {runs.latest(run.out) or 'none yet'}") from None
+    run.engine.push_weights(run.sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
+    t2 = time.perf_counter()
+    metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
 
-        # 1. Sample: this rank's share of the iteration's prompts, several responses each.
-        t0 = time.perf_counter()
-        bar.update(job, status="sampling")
-        picked = [rng.randrange(len(train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
-        mine = [(g, train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
-        prompt_ids = prompter.encode([ex for _, ex in mine])
-        with sampling(sampler):
-            outputs = engine.generate(prompt_ids, cfg.samples_per_prompt, params, gen)
+    # 4. Evaluate, log, checkpoint.
+    done = it + 1
+    state.train_s += t2 - t0
+    # the mean over ranks, so every rank stops at the same iteration; no collective when there is no budget
+    last = done == cfg.iterations or (cfg.time_budget_s > 0 and
+                                      cfg.time_budget_s <= dist.all_sum([state.train_s])[0] / dist.world())
+    if (run.test_set or run.val_set) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
+        run.progress.status("evaluating")
+        scores = evaluate_policy(run, done)
+        metrics.update(scores)
+        state.final_test_pass1, state.final_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
+        state.record(done, scores)
+    state.iteration, state.wall_clock_s = done, time.perf_counter() - run.clock
+    metrics.update({"time/wall_clock_s": state.wall_clock_s, "time/train_s": state.train_s})
+    with _disk_errors(run.out):
+        run.tracker.log(done, metrics)
+    if last or (cfg.save_every and done % cfg.save_every == 0):
+        run.progress.status("saving")
+        runs.save_checkpoint(run.out, run.models.trained, run.tokenizer, state.to_json(), cfg.keep_checkpoints,
+                             prompt_format=run.prompter.format)
+    status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
+                                                        if "test/pass@1" in metrics else "")
+    run.progress.advance(status)
+    if dist.is_main() and not console.is_terminal:
+        console.print(f"iter {done}/{cfg.iterations} {status} ({state.wall_clock_s:.0f}s)")
+    return last
 
-        # 2. Grade and cut into steps.
-        episodes = [_episode(task, tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
-                    for s in samples]
-        sampled = episodes
-        if cfg.oversample > 1:
-            episodes = _informative(episodes, cfg.prompts_per_iter)
-        n_trunc = sum(ep.truncated for ep in sampled)
-        totals = dist.all_sum([float(len(sampled)), float(n_trunc), sum(ep.reward for ep in sampled),
-                               float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(sampled)),
-                               float(len(mine)), float(_mixed_prompts(episodes))])
-        if totals[1] == totals[0]:
-            raise UserError(f"iteration {it + 1}: all {int(totals[0])} responses hit max_new_tokens="
-                            f"{cfg.max_new_tokens} (reward 0, nothing to learn); raise --max-new-tokens or check the "
-                            f"model. Last good checkpoint: {runs.latest(out) or 'none yet'}")
-        metrics.update({"train/reward": totals[2] / totals[0], "train/truncated": totals[1] / totals[0],
-                        "train/response_tokens": totals[3] / totals[0], "episodes": totals[0],
-                        "train/mixed_prompts": totals[4] / max(totals[5], 1.0),
-                        "train/kept_mixed_prompts": totals[6] / cfg.prompts_per_iter})
-        if task.behaviour:  # the share of each way of answering among the iteration's samples
-            labels = [task.behaviour(ex, s.text) for (_, ex), samples in zip(mine, outputs) for s in samples]
-            counts = dist.all_sum([float(labels.count(name)) for name in task.behaviours])
-            metrics.update({f"train/behaviour/{name}": c / totals[0] for name, c in zip(task.behaviours, counts)})
-        watch.update(metrics)
-        t1 = time.perf_counter()
 
-        # 3. The algorithm's update on these episodes (vineppo.algorithms): credit + PPO, RestEM or DPO+.
-        try:
-            metrics.update(algorithm(episodes, dataclasses.replace(ctx, generator=gen, order_generator=order_gen)))
-        except FloatingPointError as e:
-            raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
-                            f"checkpoint: {runs.latest(out) or 'none yet'}") from None
-        engine.push_weights(sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
-        t2 = time.perf_counter()
-        metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
+def _sample_metrics(run: Run, it: int, mine: list, outputs: list, sampled: list[Episode],
+                    episodes: list[Episode]) -> dict[str, float]:
+    """The iteration's sample statistics over all ranks; refuses an iteration whose responses all hit the limit."""
+    n, truncated, reward, tokens, mixed, prompts, kept_mixed = dist.all_sum([
+        float(len(sampled)), float(sum(ep.truncated for ep in sampled)), sum(ep.reward for ep in sampled),
+        float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(sampled)), float(len(mine)),
+        float(_mixed_prompts(episodes))])
+    if truncated == n:
+        raise UserError(f"iteration {it + 1}: all {int(n)} responses hit max_new_tokens={run.cfg.max_new_tokens} "
+                        f"(reward 0, nothing to learn); raise --max-new-tokens or check the model. Last good "
+                        f"checkpoint: {runs.latest(run.out) or 'none yet'}")
+    metrics = {"train/reward": reward / n, "train/truncated": truncated / n, "train/response_tokens": tokens / n,
+               "episodes": n, "train/mixed_prompts": mixed / max(prompts, 1.0),
+               "train/kept_mixed_prompts": kept_mixed / run.cfg.prompts_per_iter}
+    if run.task.behaviour:  # the share of each way of answering among the iteration's samples
+        labels = [run.task.behaviour(ex, s.text) for (_, ex), samples in zip(mine, outputs) for s in samples]
+        counts = dist.all_sum([float(labels.count(name)) for name in run.task.behaviours])
+        metrics.update({f"train/behaviour/{name}": c / n for name, c in zip(run.task.behaviours, counts)})
+    return metrics
 
-        # 4. Evaluate, log, checkpoint.
-        done = it + 1
-        state["train_s"] += t2 - t0
-        # the mean over ranks, so every rank stops at the same iteration; no collective when there is no budget
-        last = done == cfg.iterations or (cfg.time_budget_s > 0 and
-                                          cfg.time_budget_s <= dist.all_sum([state["train_s"]])[0] / dist.world())
-        if (test_set or val_set) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
-            bar.update(job, status="evaluating")
-            scores = evaluate_now(done)
-            metrics.update(scores)
-            state["final_test_pass@1"] = scores.get("test/pass@1")
-            state["final_test_behaviours"] = _behaviours(scores)
-            _record(state, done, scores)
-        state["iteration"] = done
-        state["wall_clock_s"] = time.perf_counter() - clock
-        metrics["time/wall_clock_s"] = state["wall_clock_s"]
-        metrics["time/train_s"] = state["train_s"]  # sampling, credit and updates so far (what --time-budget-s counts)
-        with _disk_errors(out):
-            tracker.log(done, metrics)
-        if last or (cfg.save_every and done % cfg.save_every == 0):
-            bar.update(job, status="saving")
-            runs.save_checkpoint(out, trained, tokenizer, state, cfg.keep_checkpoints, prompt_format=prompter.format)
-        status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
-                                                            if "test/pass@1" in metrics else "")
-        bar.update(job, advance=1, status=status)
-        if main and not console.is_terminal:
-            console.print(f"iter {done}/{cfg.iterations} {status} ({state['wall_clock_s']:.0f}s)")
-        if last:
-            break
 
-    bar.stop()
-    tracker.close()
+def evaluate_policy(run: Run, iteration: int) -> dict[str, float]:
+    """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now, and the test behaviours."""
+    cfg, scores = run.cfg, {}
+    settings = EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed + iteration)
+    for key, examples in (("test/pass@1", run.test_set), ("val/pass@1", run.val_set)):
+        if not examples:
+            continue
+        mine = examples[dist.rank()::dist.world()]
+        with run.sampling(run.models.trained.policy):
+            result = evaluate(run.eval_engine, run.task, mine, settings, run.prompter)
+        total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
+        scores[key] = total / max(n, 1)
+        if run.task.behaviour and key == "test/pass@1":  # which ways of answering the samples took, and how well
+            table = behaviour_table(run.task, dist.all_sum(behaviour_counts(run.task, result["results"])))
+            scores.update({f"test/behaviour/{name}": v["share"] for name, v in table.items()})
+            scores.update({f"test/behaviour_pass@1/{name}": v["pass@1"] for name, v in table.items()
+                           if v["pass@1"] is not None})
+    return scores
+
+
+def finish(run: Run) -> dict:
+    """Close the bar and tracker, draw the run's plot, write summary.json; returns the summary."""
+    run.progress.bar.stop()
+    run.tracker.close()
+    main, state = dist.is_main(), run.state.to_json()
     if main:
-        with _disk_errors(out):
-            plot_run(out)
+        with _disk_errors(run.out):
+            plot_run(run.out)
     summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
     if state["sft_test_pass@1"] is not None and state["final_test_pass@1"] is not None:
         summary["gain"] = state["final_test_pass@1"] - state["sft_test_pass@1"]
     summary.update({k: state[k] for k in ("sft_test_behaviours", "final_test_behaviours") if state.get(k)})
     summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"], "train_s": state["train_s"],
-                    "time_budget_reached": 0 < cfg.time_budget_s <= state["train_s"]})
-    if val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
+                    "time_budget_reached": 0 < run.cfg.time_budget_s <= state["train_s"]})
+    if run.val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
         summary.update({k: state[k] for k in ("best_val_iteration", "best_val_pass@1", "test_at_best_val_pass@1")})
     if main:
-        with _disk_errors(out):
-            runs.write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    summary["out"] = str(out)
+        with _disk_errors(run.out):
+            runs.write_atomic(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    summary["out"] = str(run.out)
     return summary
 
 
@@ -257,8 +345,6 @@ def policy_dtype(cfg: TrainConfig) -> str | None:
 
 def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device) -> Models:
     """Reference, critic, LoRA adapters, sharding or replication, and optimisers around the loaded `policy`."""
-    from vineppo.models import disable_dropout
-
     critic = Critic.from_model(policy).float() if cfg.estimator == "gae" else None  # a copy; trained in float32
     for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
         if net is not None:
@@ -303,10 +389,8 @@ def _informative(episodes: list[Episode], keep: int) -> list[Episode]:
 
 
 def _outcomes(episodes: list[Episode]) -> dict[int, set[float]]:
-    rewards: dict[int, set[float]] = {}
-    for ep in episodes:
-        rewards.setdefault(ep.group, set()).add(ep.reward)
-    return rewards
+    """The rewards seen per prompt."""
+    return {g: {episodes[i].reward for i in members} for g, members in groups(episodes).items()}
 
 
 def _mixed_prompts(episodes: list[Episode]) -> int:
@@ -337,15 +421,6 @@ def _behaviours(scores: dict[str, float]) -> dict[str, float] | None:
     """The behaviour shares among an evaluation's samples ({} keys of test/behaviour/NAME), or None."""
     shares = {k.rsplit("/", 1)[1]: v for k, v in scores.items() if k.startswith("test/behaviour/")}
     return shares or None
-
-
-def _record(state: dict, iteration: int, scores: dict[str, float]) -> None:
-    """Keep the best test pass@1, and the iteration with the best validation pass@1 (the earliest on ties)."""
-    test, val = scores.get("test/pass@1"), scores.get("val/pass@1")
-    if test is not None:
-        state["best_test_pass@1"] = max(test, state["best_test_pass@1"] or 0.0)
-    if val is not None and (state["best_val_pass@1"] is None or val > state["best_val_pass@1"]):
-        state.update({"best_val_iteration": iteration, "best_val_pass@1": val, "test_at_best_val_pass@1": test})
 
 
 def _load_data(cfg: TrainConfig, task: Task) -> tuple[list[Example], list[Example], list[Example]]:
@@ -404,8 +479,6 @@ def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:
     """The starting model: the given one, or the task's default SFT model (`sft.default_model`)."""
     if cfg.model != "auto":
         return cfg.model
-    from vineppo.sft import default_model
-
     return default_model(cfg.task, cfg.data, train_missing)
 
 

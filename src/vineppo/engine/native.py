@@ -4,7 +4,7 @@ HOW IT WORKS (one job per file)
 
 1. Plan (``plan.py``). Source sequences are sorted by length and cut into prefill groups within
    ``token_budget`` (rows x length); each (sequence, boundary) becomes units of copies to sample.
-2. Prefill (``Engine._prefill``). One forward pass over a group (left-padded, explicit ``attention_mask`` and
+2. Prefill (``Engine.prefill``). One forward pass over a group (left-padded, explicit ``attention_mask`` and
    true ``position_ids``, each sequence up to its last boundary) gives the KV cache for all its boundaries,
    and its logits at position ``b - 1`` give the first-token distribution after boundary ``b``. Only those
    logits are materialised (``logits_to_keep`` with a tensor of positions).
@@ -13,7 +13,7 @@ HOW IT WORKS (one job per file)
    right-aligned, once per copy, and never re-encoded. New rows take finished rows' places in place; the
    batch is rebuilt (each kept row copied once) only to grow, to shed finished rows no new row takes, to stay
    within the budget as the cache lengthens, or when a new prefix does not fit left of the write column.
-4. Decode (``Engine._job``). Each step feeds one token per row through the model with a ``DynamicCache``
+4. Decode (``Job.step`` in ``job.py``, which owns the job's queue, caches, batch and finisher). Each step feeds one token per row through the model with a ``DynamicCache``
    whose layers write new keys/values in place into a preallocated buffer (the stock layer concatenates,
    copying the whole cache every step). Finished rows (EOS, stop string, length; ``stops.py``) are masked
    out at once, and padding columns on the left are dropped by moving the cache view.
@@ -42,18 +42,12 @@ import inspect
 
 import torch
 
-from vineppo.engine import schedule
-from vineppo.engine.attention import packed_decode
 from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
                                 eos_token_ids)
+from vineppo.engine.attention import packed_decode
 from vineppo.engine.batch import Batch, Group, layers_kv
-from vineppo.engine.plan import Plan, Rounds, Unit, plan_job
-from vineppo.engine.sampling import sample
-from vineppo.engine.stops import Finisher, candidate_table
+from vineppo.engine.job import Job, Request
 from vineppo.models import cache_keyword, pretrained
-
-EXTRA_COLUMNS = 64  # a cache buffer has room for this many steps (at most max_new_tokens + 1) before it is regrown
-
 
 class Engine:
     """The native rollout engine (see the module docstring); samples from ``model`` itself, so weights are never stale."""
@@ -77,7 +71,9 @@ class Engine:
                  generator: torch.Generator | None = None, progress: Progress | None = None) -> list[list[Sample]]:
         """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples."""
         check_prompts(prompts)
-        out = self._run([list(p) for p in prompts], [[len(p)] for p in prompts], n, params, generator, progress)
+        budgets = [[params.max_new_tokens] for _ in prompts]
+        out = self._run(Request([list(p) for p in prompts], [[len(p)] for p in prompts], budgets, n, params, generator,
+                                progress))
         return [r[0] for r in out]
 
     def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
@@ -85,8 +81,8 @@ class Engine:
                       budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
         """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]] (then ``more`` asks for further rounds)."""
         budgets = check_continuations(sequences, boundaries, params, budgets)
-        return self._run([list(s) for s in sequences], [list(b) for b in boundaries], k, params, generator, progress,
-                         budgets, more)
+        return self._run(Request([list(s) for s in sequences], [list(b) for b in boundaries], budgets, k, params,
+                                 generator, progress, more))
 
     def sleep(self) -> None:
         """Nothing to free: the engine holds no memory between jobs."""
@@ -96,69 +92,21 @@ class Engine:
 
     # ------------------------------------------------------------------ the job
 
-    def _run(self, seqs, bounds, k, params, generator, progress, budgets=None, more=None):
-        check_job(k, params)
-        out = [[[None] * k for _ in bs] for bs in bounds]
-        budgets = budgets or [[params.max_new_tokens] * len(bs) for bs in bounds]
+    def _run(self, req: Request) -> list[list[list[Sample]]]:
+        """Run `req` as one Job, the model in eval mode for its duration."""
+        check_job(req.k, req.params)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode(), packed_decode(self.model):
-                self._job(seqs, bounds, budgets, k, params, generator, progress, out, more)
+                return Job(self, req).run()
         finally:
             if was_training:
                 self.model.train()
-        return out
 
-    def _job(self, seqs, bounds, budgets, k, params, generator, progress, out, more=None):
-        """The decode loop: admit units as rows finish, step every row once, finish the rows that ended."""
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        max_new, budget = params.max_new_tokens, self.token_budget
-        plan = plan_job(bounds, k, budget, max_new, vocab)
-        cand = candidate_table(self.tokenizer, params.stop, vocab, self._cand_tables)
-        finisher = Finisher(self.tokenizer, params.stop, torch.tensor(self.eos_token_ids or [-1], device=self.device),
-                            None if cand is None else cand.to(self.device), out, progress)
-        batch = Batch(self.device, max_new, extra=min(max_new + 1, EXTRA_COLUMNS), budgets=budgets)
-        groups: dict[int, Group] = {}
-        if more is not None:  # adaptive: each finished sample may settle its prefix, or queue its next round
-            rounds = Rounds(plan, more, k, out, budget, max_new)
-            finisher.on_emit = lambda i, j: groups.pop(rounds.finished(i, j), None)
-        while True:
-            admitted = schedule.admit(plan.queue, batch, budget, max_new)
-            if admitted:
-                self._admit(admitted, plan, groups, seqs, bounds, batch, params, generator, finisher)
-            elif schedule.should_shed(batch):
-                batch.rebuild([], groups, None, None)
-            if batch.N == 0:
-                if plan.queue:
-                    continue
-                break
-            logits = self._forward(batch)
-            tok, lp = sample(logits, params, generator)
-            batch.step(tok, lp)
-            finisher.check(batch, tok)
+    # ------------------------------------------------------------------ the two model calls a Job makes
 
-    def _admit(self, units: list[Unit], plan: Plan, groups: dict[int, Group], seqs, bounds, batch: Batch,
-               params: SamplingParams, generator, finisher: Finisher) -> None:
-        """Prefill the units' groups (each once), sample their first tokens, and bring them into the batch."""
-        for u in units:
-            if u.group not in groups:
-                groups[u.group] = self._prefill(plan.groups[u.group], seqs, bounds)
-        logits = torch.cat([groups[u.group].first_logits(u) for u in units])
-        tok0, lp0 = sample(logits, params, generator)  # first tokens come from the prefill logits
-        live = batch.N - len(batch.dead)
-        if schedule.fits_in_place(batch, units, self.token_budget, params.max_new_tokens):
-            rows = batch.fill(units, groups, tok0, lp0)
-        else:
-            batch.rebuild(units, groups, tok0, lp0)
-            rows = torch.arange(live, batch.N, device=self.device)  # kept rows first, then the new ones
-        for u in units:
-            plan.unadmitted[u.group] -= 1
-            if plan.can_free(u.group):  # every unit of the group is in the batch, no round to come: free its cache
-                del groups[u.group]
-        finisher.check(batch, tok0, rows)  # the new rows' first tokens may already finish them
-
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch) -> torch.Tensor:
         """One decode step: every row's pending token through the model; the next-token logits [N, V]."""
         N = batch.N
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(N, 1)], dim=1)
@@ -166,7 +114,7 @@ class Engine:
                           position_ids=batch.pos.view(N, 1), use_cache=True,
                           **{self._cache_kw: batch.cache}).logits[:, -1, :]
 
-    def _prefill(self, members, seqs, bounds) -> Group:
+    def prefill(self, members: list[int], seqs: list[list[int]], bounds: list[list[int]]) -> Group:
         """One forward over each member sequence (up to its last boundary); logits only at boundaries."""
         dev = self.device
         lens = [bounds[i][-1] for i in members]

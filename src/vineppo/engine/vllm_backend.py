@@ -41,7 +41,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from vineppo.engine.api import (MISSING_VLLM, More, Progress, Sample, SamplingParams, check_continuations, check_job,
+from vineppo.config import MISSING_VLLM
+from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job,
                                 check_prompts, eos_token_ids)
 from vineppo.errors import UserError
 from vineppo.models import context_length

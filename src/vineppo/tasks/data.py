@@ -84,7 +84,7 @@ def load_hub(repo: str, config: str | None, split: str, task: str, required: tup
     if not _offline() and not reachable():
         raise UserError(f"cannot reach huggingface.co to download {repo}; {hint}")
     try:
-        import datasets
+        import datasets  # optional dependency: only for hub data sets
 
         datasets.disable_progress_bars()
         ds = datasets.load_dataset(repo, config, split=split)

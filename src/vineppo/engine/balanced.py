@@ -1,0 +1,53 @@
+"""Monte Carlo continuations over torchrun ranks: every rank's states pooled, dealt out by cost, results sent home."""
+
+from __future__ import annotations
+
+from vineppo import distributed as dist
+from vineppo.engine.api import check_continuations
+
+
+class BalancedContinuations:
+    """An engine wrapper: Monte Carlo states of all ranks are pooled, dealt out by cost, and results sent home.
+
+    A long response has many more states (and longer continuations) than a short one, so dealing states by
+    count would leave ranks idle; the cost of a state is the tokens it will likely generate, K times the
+    rest of its response. Without torchrun this is the engine itself.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.states_run = 0  # states this rank computed (to check that every state is run exactly once)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None, more=None):
+        """Same contract as Engine.continuations, computed cooperatively by every rank (adaptive jobs: each its own)."""
+        if not dist.active() or more is not None:  # `more` grades with this rank's episodes: it cannot judge another's
+            self.states_run += sum(len(b) for b in boundaries)
+            return self.engine.continuations(sequences, boundaries, k, params, generator, progress, budgets=budgets,
+                                             more=more)
+        budgets = check_continuations(sequences, boundaries, params, budgets)
+        pools = dist.all_gather_objects(list(zip(sequences, boundaries, budgets)))
+        units = [(k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)
+                 for i, (seq, bs, _) in enumerate(pool) for j, b in enumerate(bs)]
+        load, mine = [0.0] * dist.world(), []
+        for cost, r, i, j in sorted(units, reverse=True):  # longest job first to the least-loaded rank
+            target = min(range(dist.world()), key=load.__getitem__)
+            load[target] += cost
+            if target == dist.rank():
+                mine.append((r, i, j))
+        jobs: dict[tuple[int, int], list[int]] = {}
+        for r, i, j in sorted(mine):
+            jobs.setdefault((r, i), []).append(j)
+        keys = list(jobs)
+        self.states_run += len(mine)
+        out = self.engine.continuations([pools[r][i][0] for r, i in keys],
+                                        [[pools[r][i][1][j] for j in jobs[(r, i)]] for r, i in keys],
+                                        k, params, generator, progress,
+                                        budgets=[[pools[r][i][2][j] for j in jobs[(r, i)]] for r, i in keys])
+        done = {(r, i, j): samples for (r, i), per in zip(keys, out) for j, samples in zip(jobs[(r, i)], per)}
+        results: dict = {}
+        for part in dist.all_gather_objects(done):
+            results.update({key: v for key, v in part.items() if key[0] == dist.rank()})
+        return [[results[(dist.rank(), i, j)] for j in range(len(bs))] for i, bs in enumerate(boundaries)]
