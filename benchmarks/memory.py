@@ -149,7 +149,7 @@ def one(name: str, folder: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     data = Rollouts([prompts[i] for i in mine], [responses[i] for i in mine], [advantages[i] for i in mine],
                     tokenizer.pad_token_id, ids=mine)
-    ppo_update(Learner(models.trainee, models.reference, models.trained.optimizer), data, update_cfg, torch.Generator())
+    ppo_update(Learner(models.policy, models.reference, models.trained.optimizer), data, update_cfg, torch.Generator())
     seconds = time.perf_counter() - start
     update = meter.peak()
     static = meter.now() - meter.base  # after the step: weights, reference, gradients, AdamW state

@@ -58,7 +58,7 @@ def setup(model_dir: str, seed: int = 0):
     models = build_models(cfg, policy, torch.device("cpu"))  # the set-up `vineppo train` makes
     prompter = Prompter(task, tok, cfg.prompt_format, model=model_dir)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
-    ctx = algorithms.Context(cfg, models.trainee, models.reference, models.trained.optimizer, tok,
+    ctx = algorithms.Context(cfg, models.policy, models.reference, models.trained.optimizer, tok,
                              Engine(models.trained.policy, tok, cfg.token_budget), params, task.grade)
     return cfg, task, prompter, ctx
 

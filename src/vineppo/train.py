@@ -193,8 +193,8 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Ru
     run = Run(cfg, out, device, task, algorithm, train_set, test_set, val_set, prompter, tokenizer, models, sampler,
               engine, eval_engine, params, None, tracker, progress, state, _SignalWatch(enabled=main),
               clock=time.perf_counter() - state.wall_clock_s)
-    run.ctx = Context(cfg=cfg, policy=models.trainee, reference=models.reference, optimizer=models.trained.optimizer,
-                      tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic_trainee,
+    run.ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
+                      tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic,
                       critic_opt=models.trained.critic_opt, status=progress.status,
                       sampling=lambda: run.sampling(sampler, models.trained.critic))
     return run
@@ -333,8 +333,8 @@ class Models:
     """A run's models: what checkpoints hold, the modules the update trains through, and the KL reference."""
 
     trained: runs.Trained  # policy (as the engine samples from it), critic, their optimisers
-    trainee: torch.nn.Module  # the policy as the update runs it (a DDP wrapper, or the policy itself)
-    critic_trainee: torch.nn.Module | None
+    policy: torch.nn.Module  # the policy as the update runs it (a DDP wrapper, or trained.policy itself), ctx.policy
+    critic: torch.nn.Module | None  # the critic as the update runs it, ctx.critic
     reference: Any  # the frozen SFT model (LoRA: the policy with its adapters off)
 
 
