@@ -190,9 +190,10 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Ru
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state.iteration if resume else None, enabled=main)
     progress = Progress(cfg, state.iteration, enabled=main)
-    run = Run(cfg, out, device, task, algorithm, train_set, test_set, val_set, prompter, tokenizer, models, sampler,
-              engine, eval_engine, params, None, tracker, progress, state, _SignalWatch(enabled=main),
-              clock=time.perf_counter() - state.wall_clock_s)
+    run = Run(cfg=cfg, out=out, device=device, task=task, algorithm=algorithm, train_set=train_set, test_set=test_set,
+              val_set=val_set, prompter=prompter, tokenizer=tokenizer, models=models, sampler=sampler, engine=engine,
+              eval_engine=eval_engine, params=params, ctx=None, tracker=tracker, progress=progress, state=state,
+              watch=_SignalWatch(enabled=main), clock=time.perf_counter() - state.wall_clock_s)
     run.ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
                       tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic,
                       critic_opt=models.trained.critic_opt, status=progress.status,
