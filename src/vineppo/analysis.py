@@ -301,27 +301,7 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
     truth = [r["true"] for r in rows]
     maes = {m: None if any(r[m] is None for r in rows) else mae([r[m] for r in rows], truth) for m in METHODS}
 
-    # Ranking: the alternatives of state i are est[offset : offset + len(alts[i])].
-    right = dict.fromkeys(METHODS, 0)
-    counted = excluded = 0
-    offset = len(picked)
-    for i, group in zip(ranked, alts):
-        e = est[offset:offset + len(group)]
-        offset += len(group)
-        true = [x["true"] for x in e]
-        for m in METHODS:
-            if m in ("grpo", "rloo"):
-                pred = [picked[i][m]] * len(group)  # one baseline for every token of the response
-            elif m == "ppo_critic" and critic_values is None:
-                continue
-            else:
-                pred = [x[m] for x in e]
-            r, c, x = pairwise_ranking_accuracy(pred, true)
-            right[m] += r
-            if m == "grpo":  # every method sees the same pairs; count them once
-                counted, excluded = counted + c, excluded + x
-    ranking = {m: (right[m] / counted if counted else None) if (m != "ppo_critic" or critic_values) else None
-               for m in METHODS}
+    ranking, counted, excluded = _ranking(picked, ranked, alts, est, with_critic=critic_values is not None)
     compute = compute_axis(est[:len(picked)], spent[:len(picked)], est[len(picked):], [len(g) for g in alts])
     return {"mae": maes, "ranking_accuracy": ranking, "states": len(rows), "compute": compute,
             "ranking": {"states": len(ranked), "alternatives": sum(len(g) for g in alts),
@@ -335,6 +315,32 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
 
 
 # ------------------------------------------------------------------------------------ the critic
+
+
+def _ranking(picked: list[dict], ranked: list[int], alts: list[list], est: list[dict],
+             with_critic: bool) -> tuple[dict, int, int]:
+    """Per method, the share of alternative pairs it orders as the truth does; the pairs counted and excluded."""
+    right = dict.fromkeys(METHODS, 0)
+    counted = excluded = 0
+    offset = len(picked)  # the alternatives of state i are est[offset : offset + len(alts[i])]
+    for i, group in zip(ranked, alts):
+        e = est[offset:offset + len(group)]
+        offset += len(group)
+        true = [x["true"] for x in e]
+        for m in METHODS:
+            if m in ("grpo", "rloo"):
+                pred = [picked[i][m]] * len(group)  # one baseline for every token of the response
+            elif m == "ppo_critic" and not with_critic:
+                continue
+            else:
+                pred = [x[m] for x in e]
+            r, c, x = pairwise_ranking_accuracy(pred, true)
+            right[m] += r
+            if m == "grpo":  # every method sees the same pairs; count them once
+                counted, excluded = counted + c, excluded + x
+    ranking = {m: (right[m] / counted if counted else None) if (m != "ppo_critic" or with_critic) else None
+               for m in METHODS}
+    return ranking, counted, excluded
 
 
 def load_critic(run_dir: str, device: torch.device):
