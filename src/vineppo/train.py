@@ -87,7 +87,7 @@ class RunState:
             self.best_val_iteration, self.best_val_pass1, self.test_at_best_val_pass1 = iteration, val, test
 
 
-class Progress:
+class Bar:
     """The run's progress bar: one line, a phase text, advanced once per iteration."""
 
     def __init__(self, cfg: TrainConfig, done: int, enabled: bool):
@@ -102,6 +102,10 @@ class Progress:
     def advance(self, text: str) -> None:
         """Count one iteration done, with its result as the status."""
         self.bar.update(self.job, advance=1, status=text)
+
+    def stop(self) -> None:
+        """Leave the bar as it stands."""
+        self.bar.stop()
 
 
 @dataclass
@@ -125,7 +129,7 @@ class Run:
     params: SamplingParams  # the training responses' sampling settings
     ctx: Context  # what the algorithm is handed; its generators are set per iteration
     tracker: Tracker
-    progress: Progress
+    bar: Bar
     state: RunState
     watch: _SignalWatch
     clock: float = 0.0  # perf_counter() at which wall_clock_s was 0
@@ -139,7 +143,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> d
     """The run, its folder locked: set up, evaluate the SFT model, iterate, summarise."""
     run = setup(cfg, out, resume, device)
     if run.state.iteration == 0 and (run.test_set or run.val_set):
-        run.progress.status("evaluating the SFT model")
+        run.bar.status("evaluating the SFT model")
         scores = evaluate_policy(run, 0)
         run.state.sft_test_pass1, run.state.sft_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
         run.state.record(0, scores)
@@ -189,14 +193,14 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Ru
     dist.barrier()
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state.iteration if resume else None, enabled=main)
-    progress = Progress(cfg, state.iteration, enabled=main)
+    bar = Bar(cfg, state.iteration, enabled=main)
     run = Run(cfg=cfg, out=out, device=device, task=task, algorithm=algorithm, train_set=train_set, test_set=test_set,
               val_set=val_set, prompter=prompter, tokenizer=tokenizer, models=models, sampler=sampler, engine=engine,
-              eval_engine=eval_engine, params=params, ctx=None, tracker=tracker, progress=progress, state=state,
+              eval_engine=eval_engine, params=params, ctx=None, tracker=tracker, bar=bar, state=state,
               watch=_SignalWatch(enabled=main), clock=time.perf_counter() - state.wall_clock_s)
     run.ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
                       tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic,
-                      critic_opt=models.trained.critic_opt, status=progress.status,
+                      critic_opt=models.trained.critic_opt, status=bar.status,
                       sampling=lambda: run.sampling(sampler, models.trained.critic))
     return run
 
@@ -212,7 +216,7 @@ def iteration(run: Run, it: int) -> bool:
 
     # 1. Sample: this rank's share of the iteration's prompts, several responses each.
     t0 = time.perf_counter()
-    run.progress.status("sampling")
+    run.bar.status("sampling")
     picked = [rng.randrange(len(run.train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
     mine = [(g, run.train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
     prompt_ids = run.prompter.encode([ex for _, ex in mine])
@@ -244,7 +248,7 @@ def iteration(run: Run, it: int) -> bool:
     last = done == cfg.iterations or (cfg.time_budget_s > 0 and
                                       cfg.time_budget_s <= dist.all_sum([state.train_s])[0] / dist.world())
     if (run.test_set or run.val_set) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
-        run.progress.status("evaluating")
+        run.bar.status("evaluating")
         scores = evaluate_policy(run, done)
         metrics.update(scores)
         state.final_test_pass1, state.final_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
@@ -254,12 +258,12 @@ def iteration(run: Run, it: int) -> bool:
     with _disk_errors(run.out):
         run.tracker.log(done, metrics)
     if last or (cfg.save_every and done % cfg.save_every == 0):
-        run.progress.status("saving")
+        run.bar.status("saving")
         runs.save_checkpoint(run.out, run.models.trained, run.tokenizer, state.to_json(), cfg.keep_checkpoints,
                              prompt_format=run.prompter.format)
     status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                         if "test/pass@1" in metrics else "")
-    run.progress.advance(status)
+    run.bar.advance(status)
     if dist.is_main() and not console.is_terminal:
         console.print(f"iter {done}/{cfg.iterations} {status} ({state.wall_clock_s:.0f}s)")
     return last
@@ -308,7 +312,7 @@ def evaluate_policy(run: Run, iteration: int) -> dict[str, float]:
 
 def finish(run: Run) -> dict:
     """Close the bar and tracker, draw the run's plot, write summary.json; returns the summary."""
-    run.progress.bar.stop()
+    run.bar.stop()
     run.tracker.close()
     main, state = dist.is_main(), run.state.to_json()
     if main:
