@@ -15,6 +15,7 @@ from pathlib import Path
 from vineppo.compare import load_run
 
 BEHAVIOUR = "skip"
+CEILING_FRACTION = 0.7  # of the careful style's test pass@1 (the SFT model's): set after the runs, not by the protocol
 
 
 def halving(m: list[dict]) -> dict:
@@ -26,6 +27,15 @@ def halving(m: list[dict]) -> dict:
         return {"iteration": None, "responses": None, "seconds": None}
     return {"iteration": hit["iteration"], "responses": sum(r["episodes"] for r in m[1:hit["iteration"] + 1]),
             "seconds": hit["time/wall_clock_s"]}
+
+
+def ceiling(m: list[dict]) -> dict:
+    """The careful style's ceiling (the SFT model's test pass@1 on its careful samples), the final pass@1 as a
+    fraction of it, and the first evaluated iteration (its seconds) with pass@1 >= CEILING_FRACTION of it."""
+    top = m[0]["test/behaviour_pass@1/careful"]
+    hit = next((r for r in m[1:] if r.get("test/pass@1", -1) >= CEILING_FRACTION * top), None)
+    return {"ceiling": top, "final": m[-1]["test/pass@1"] / top, "iteration": hit and hit["iteration"],
+            "seconds": hit and hit["time/wall_clock_s"]}
 
 
 def row(run: Path) -> str:
@@ -59,7 +69,8 @@ def _range(values: list) -> str:
 def summary(runs: list[Path]) -> list[str]:
     """Per method: seeds, halving ranges (iterations, responses, seconds), final test pass@1 and skip share."""
     lines = ["| method | seeds | halved at iteration | responses | seconds | final test pass@1 | final test skip share "
-             "| train s / iteration |", "|---|---|---|---|---|---|---|---|"]
+             f"| train s / iteration | final / careful ceiling | {CEILING_FRACTION:.0%} of the ceiling at iteration "
+             "| (seconds) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, rs in by_method(runs).items():
         ms = [load_run(r)["metrics"] for r in rs]
         hs = [halving(m) for m in ms]
@@ -67,10 +78,12 @@ def summary(runs: list[Path]) -> list[str]:
         skip = [m[-1][f"test/behaviour/{BEHAVIOUR}"] for m in ms]
         per_it = [m[-1]["time/train_s"] / m[-1]["iteration"] for m in ms]  # sampling, credit, update
         sd = statistics.stdev(final) if len(final) > 1 else 0.0
+        cs = [ceiling(m) for m in ms]
         lines.append(f"| {method} | {len(rs)} | {_range([h['iteration'] for h in hs])} | "
                      f"{_range([h['responses'] for h in hs])} | {_range([h['seconds'] for h in hs])} | "
                      f"{statistics.mean(final):.3f} ± {sd:.3f} | {statistics.mean(skip):.3f} | "
-                     f"{statistics.mean(per_it):.1f} |")
+                     f"{statistics.mean(per_it):.1f} | {statistics.mean(c['final'] for c in cs):.2f} | "
+                     f"{_range([c['iteration'] for c in cs])} | {_range([c['seconds'] for c in cs])} |")
     return lines
 
 
