@@ -353,10 +353,11 @@ def test_determinism_and_progress(llama, tok):
     assert calls and calls[-1] == 8 and calls == sorted(calls)
 
 
-def test_decode_steps_of_grouped_query_models_skip_transformers_kv_copy(llama, tok, monkeypatch):
-    """Decode steps of a grouped-query model (4 query heads, 2 key/value heads) run engine.attention's packed
-    SDPA, not transformers' SDPA function, which copies the KV cache per query head given a mask (older
-    transformers always, newer ones outside their own packing); the samples and log-probs are the same."""
+def test_decode_steps_of_sdpa_models_run_the_engines_attention(model, tok, monkeypatch):
+    """Decode steps of every SDPA model (Llama and Qwen2 with grouped-query attention, 4 query heads on 2
+    key/value heads; GPT-2 without) run engine.attention's decode attention, not transformers' SDPA function
+    (which copies the KV cache per query head given a mask, and runs slower on the engine's non-contiguous
+    cache view); the samples and log-probs are the same."""
     from transformers import AttentionInterface
 
     sdpa = AttentionInterface._global_mapping["sdpa"]
@@ -368,12 +369,12 @@ def test_decode_steps_of_grouped_query_models_skip_transformers_kv_copy(llama, t
 
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", spy)
     prompts, params = _prompts([5, 17, 2, 11]), SamplingParams(temperature=1.0, max_new_tokens=12)
-    packed = Engine(llama, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
+    packed = Engine(model, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
     assert 1 not in calls
-    assert llama.config._attn_implementation == "sdpa"  # restored after the job
+    assert model.config._attn_implementation == "sdpa"  # restored after the job
     monkeypatch.setattr("vineppo.engine.native.packed_decode", lambda model: contextlib.nullcontext())
     calls.clear()
-    plain = Engine(llama, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
+    plain = Engine(model, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
     assert 1 in calls
     assert [[s.token_ids for s in r] for r in packed] == [[s.token_ids for s in r] for r in plain]
     lp = [[x for r in out for s in r for x in s.logprobs] for out in (packed, plain)]
