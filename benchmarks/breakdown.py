@@ -10,7 +10,7 @@ The workload is rollouts.py's (the same setup functions). Two engine runs on it:
    job (scheduling, Python between the calls);
 2. torch.profiler over the same job: every operator's own CPU time inside the model's decode steps, put in
    attention (scaled_dot_product_attention and what it calls), linear layers (projections, MLP, LM head),
-   KV writes (the in-place appends of ``_BufferLayer.update``) and other model ops (norms, RoPE, activations,
+   KV writes (the in-place appends of ``_OwnLayer.update``) and other model ops (norms, RoPE, activations,
    embedding, masks); what is left of the decode steps' time is Python and dispatch inside the model.
 The second run's split of the decode steps is applied to the first run's decode seconds (the profiler slows
 Python down, so its own wall-clock is not used).
@@ -87,16 +87,16 @@ def labelled_kv_writes():
     """The in-place cache appends of the decode steps run under a 'kv_write' profiler label, the engine's decode
     attention under 'decode_attention'."""
     from vineppo.engine.batch import (
-        _BufferLayer,  # the engine's private buffer layer, labelled for the profile only
+        _OwnLayer,  # the engine's private buffer layer, labelled for the profile only
     )
 
-    update = _BufferLayer.update
+    update = _OwnLayer.update
 
     def inner(self, *a, **kw):
         with record_function("kv_write"):
             return update(self, *a, **kw)
 
-    _BufferLayer.update = inner
+    _OwnLayer.update = inner
     attend = AttentionInterface._global_mapping[attention.NAME]
 
     def labelled_attention(*a, **kw):  # the engine's decode attention is matmuls: label it to tell it from the MLP's
@@ -107,7 +107,7 @@ def labelled_kv_writes():
     try:
         yield
     finally:
-        _BufferLayer.update = update
+        _OwnLayer.update = update
         AttentionInterface.register(attention.NAME, attend)
 
 

@@ -41,6 +41,7 @@ import tempfile
 import time
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from vineppo.config import ENGINES
 from vineppo.engine import Engine, SamplingParams, make_engine
@@ -210,8 +211,6 @@ def run_limit(model, rows, ctx_len, steps=30, buffered=True, repeats=3):
 def _limit_once(model, rows, ctx_len, steps, buffered):
     from transformers import DynamicCache
 
-    from vineppo.engine.batch import new_cache
-
     sig = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     V = model.get_output_embeddings().weight.shape[0]
     dev = next(model.parameters()).device
@@ -221,7 +220,7 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
         cache = DynamicCache()
         model(input_ids=torch.randint(2, V, (rows, start), device=dev), use_cache=True, **{sig: cache})
         if buffered:
-            cache = new_cache([(layer.keys, layer.values) for layer in cache.layers], steps + 8)
+            cache = _buffered(cache, steps + 8)
         nxt = torch.randint(2, V, (rows, 1), device=dev)
         for _ in range(warm):
             nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
@@ -230,6 +229,31 @@ def _limit_once(model, rows, ctx_len, steps, buffered):
             nxt = model(input_ids=nxt, use_cache=True, **{sig: cache}).logits[:, -1:].argmax(-1)
         dt = time.perf_counter() - t0
     return rows * steps / dt
+
+
+class _InPlace(DynamicLayer):
+    """A cache layer whose new columns are written in place into a preallocated buffer (no per-step concatenation)."""
+
+    def __init__(self, keys, values, extra):
+        super().__init__()
+        N, H, L, D = keys.shape
+        self.kb, self.vb, self.n = keys.new_zeros(N, H, L + extra, D), values.new_zeros(N, H, L + extra, D), L
+        self.kb[:, :, :L], self.vb[:, :, :L] = keys, values
+        self.device, self.is_initialized = keys.device, True
+        self.keys, self.values = self.kb[:, :, :L], self.vb[:, :, :L]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        m = key_states.shape[-2]
+        self.kb[:, :, self.n : self.n + m], self.vb[:, :, self.n : self.n + m] = key_states, value_states
+        self.n += m
+        self.keys, self.values = self.kb[:, :, : self.n], self.vb[:, :, : self.n]
+        return self.keys, self.values
+
+
+def _buffered(cache, extra):
+    """``cache`` (a prefilled DynamicCache) as in-place layers with room for ``extra`` more columns."""
+    cache.layers = [_InPlace(layer.keys, layer.values, extra) for layer in cache.layers]
+    return cache
 
 
 def _arguments(argv):

@@ -420,6 +420,17 @@ def test_rows_finishing_at_admission_keep_their_identity(peaked, tok):
     assert n_first > 0
 
 
+def _assert_fresh_logprobs(model, seqs, bounds, mc):
+    """Every continuation's log-probs equal a fresh forward pass over its prefix and tokens."""
+    for s, bs, per in zip(seqs, bounds, mc):
+        for b, samples in zip(bs, per):
+            for x in samples:
+                with torch.no_grad():
+                    lg = model(torch.tensor([s[:b] + x.token_ids])).logits[0, b - 1 : -1].float()
+                ref = torch.log_softmax(lg, -1).gather(1, torch.tensor(x.token_ids).view(-1, 1)).view(-1)
+                assert torch.allclose(torch.tensor(x.logprobs), ref, atol=1e-4)
+
+
 def test_continuations_logprobs_under_a_small_budget(llama, tok):
     """Many prefixes of different lengths through a small budget: rows are refilled in place and rebuilt;
     every continuation's log-probs must still equal a fresh forward pass over prefix + continuation."""
@@ -436,13 +447,7 @@ def test_continuations_logprobs_under_a_small_budget(llama, tok):
     finally:
         h.remove()
     assert max(r * c for r, c in seen[1:]) <= 200 + 9  # decode batches within the budget
-    for s, bs, per in zip(seqs, bounds, mc):
-        for b, samples in zip(bs, per):
-            for x in samples:
-                with torch.no_grad():
-                    lg = llama(torch.tensor([s[:b] + x.token_ids])).logits[0, b - 1 : -1].float()
-                ref = torch.log_softmax(lg, -1).gather(1, torch.tensor(x.token_ids).view(-1, 1)).view(-1)
-                assert torch.allclose(torch.tensor(x.logprobs), ref, atol=1e-4)
+    _assert_fresh_logprobs(llama, seqs, bounds, mc)
 
 
 def test_continuations_honour_per_row_budgets(llama, tok):
@@ -530,3 +535,69 @@ def _strip(tree):
 
 def _logprobs(tree):
     return [x for s in _samples(tree) for x in s[2]]
+
+
+# ------------------------------------------------------------------ the prefix store and the paths around it
+
+
+@pytest.mark.parametrize("kind", ["eager", "side-by-side"])
+def test_models_outside_the_split_attention(kind, tok, monkeypatch):
+    """An eager-attention model (the cache hands each row its prefix and own keys side by side), and decode steps
+    with an attention setting the split path does not implement (it puts them side by side for transformers'
+    SDPA; forced here by counting `scaling` among those settings) sample what Hugging Face's generate does, and
+    their log-probs equal a fresh forward's."""
+    m = _make("llama", len(tok))
+    if kind == "eager":
+        m.config._attn_implementation = "eager"
+    else:
+        monkeypatch.setattr("vineppo.engine.attention._UNSUPPORTED", ("scaling",))
+    prompts = _prompts([5, 17, 2, 11])
+    ref = _hf_greedy(m, prompts, 12)
+    out = Engine(m, tok).generate(prompts, 2, SamplingParams(temperature=0, max_new_tokens=12))
+    assert [r[0].token_ids for r in out] == ref and [r[1].token_ids for r in out] == ref
+    seqs = [p + r[0].token_ids for p, r in zip(prompts, out)]
+    bounds = [sorted({len(p), min(len(s), len(p) + 4)}) for p, s in zip(prompts, seqs)]
+    mc = Engine(m, tok, token_budget=150).continuations(seqs, bounds, 3, SamplingParams(temperature=1.0, max_new_tokens=6),
+                                                        generator=torch.Generator().manual_seed(0))
+    _assert_fresh_logprobs(m, seqs, bounds, mc)
+    if kind == "eager":
+        assert m.config._attn_implementation == "eager"
+
+
+def test_prefix_store_slots():
+    """A slot per unit, holding the prefix once; slots are reused lowest first once their rows finish; the step
+    view maps every (slot, copy) to its batch row and back, and masks each slot past its prefix."""
+    from vineppo.engine.prefixes import Prefixes
+
+    kv = [(torch.arange(2 * 1 * 6 * 2, dtype=torch.float32).view(2, 1, 6, 2),) * 2]  # one layer, 2 rows, 6 columns
+    store = Prefixes(p_max=6)
+    a = store.add(kv, row=0, pad=1, length=4, copies=2)
+    b = store.add(kv, row=1, pad=0, length=6, copies=3)
+    assert (a, b) == (1, 2)  # slot 0 is the empty prefix of finished rows
+    assert torch.equal(store.k[0][a, :, :4], kv[0][0][0, :, 1:5]) and torch.equal(store.k[0][b], kv[0][0][1])
+    slot = torch.tensor([b, a, 0, b, a, b])  # row 2 has finished
+    copy = torch.tensor([0, 0, 0, 1, 1, 2])
+    view = store.view(slot, copy)
+    assert (view.slots, view.width, view.copies) == (3, 6, 3)
+    rows = view.rows.view(3, 3).tolist()
+    assert rows[a] == [1, 4, 6] and rows[b] == [0, 3, 5] and rows[0] == [6, 6, 6]  # 6 = N: a zero query
+    assert all(rows[s][c] == r for r, (s, c) in enumerate(zip(slot.tolist(), copy.tolist())) if s)
+    assert torch.isinf(view.mask[a, 0, 0, 4:]).all() and (view.mask[a, 0, 0, :4] == 0).all()
+    assert torch.isinf(view.mask[0]).all() and (view.mask[b] == 0).all()
+    store.release([a, a])
+    assert store.refs[a] == 0 and store.length[a] == 0
+    assert store.add(kv, row=1, pad=0, length=2, copies=1) == a  # the freed slot comes back first
+
+
+def test_an_attention_that_bypasses_the_engine_is_refused(llama, tok, monkeypatch):
+    """If the model's decode steps never reach the engine's attention (a model that calls its own), they would
+    attend to the rows' own tokens only: the engine stops with an error instead of sampling from that."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vineppo.engine import attention
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME, sdpa_attention_forward)
+    with pytest.raises(NotImplementedError, match="attention interface"):
+        Engine(llama, tok).generate(_prompts([5, 9]), 2, SamplingParams(temperature=0, max_new_tokens=4))
+    assert llama.config._attn_implementation == "sdpa"

