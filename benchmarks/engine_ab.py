@@ -5,8 +5,9 @@
 
 REV is checked out into a temporary git worktree. Each round runs the engine of each side once, in a fresh
 process, alternating (before, after, before, ...), so both see the same drifting machine; the medians and the
-per-round ratios are reported. Each run prints a digest of every sampled token: the two sides must draw the
-same samples (the same seed), or the comparison is refused.
+per-round ratios are reported, with how many samples the two sides drew differently from the same seed. A change
+that sums the same floats in another order can tip a near-tie of a flat distribution (a random model's) the
+other way; that sample then differs, and so may the rows that share its batch afterwards.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in the child process, with the side's src/ first on sys.path and this folder for rollouts.py's workload.
 CHILD = r"""
-import hashlib, json, sys, time
+import json, sys, time
 import torch
-from rollouts import _threads, model_setup, random_setup
+from rollouts import _NullTok, _threads, model_setup, random_setup
 from vineppo.engine import Engine
 from vineppo.models import seeded_generator
 a = json.loads(sys.argv[1])
@@ -35,13 +36,12 @@ if a["model"]:
     model, tok, seqs, bounds, params, _ = model_setup(a["model"], n_prompts=a["prompts"], max_new=a["max_new"] or 256)
 else:
     model, tok, seqs, bounds, params, _ = random_setup(n_prompts=a["prompts"], max_new=a["max_new"] or 60)
-eng = Engine(model, tok)
+eng = Engine(model, tok or _NullTok())
 t0 = time.perf_counter()
 out = eng.continuations(seqs, bounds, 9, params, generator=seeded_generator(model, 0))
 dt = time.perf_counter() - t0
 ids = [s.token_ids for per in out for samples in per for s in samples]
-digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-print(json.dumps({"tokens": sum(map(len, ids)), "seconds": dt, "digest": digest}))
+print(json.dumps({"tokens": sum(map(len, ids)), "seconds": dt, "samples": ids}))
 """
 
 
@@ -79,12 +79,14 @@ def main(argv=None):
                           file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
-    digests = {x["digest"] for side in runs.values() for x in side}
-    if len(digests) != 1:
-        raise SystemExit(f"the two sides drew different samples (digests {sorted(digests)}): not the same workload")
+    first = {side: xs[0]["samples"] for side, xs in runs.items()}
+    differ = sum(a != b for a, b in zip(first["before"], first["after"]))
+    if any(x["samples"] != xs[0]["samples"] for xs in runs.values() for x in xs):
+        raise SystemExit("one side drew different samples in different rounds: not deterministic")
     speed = {side: [x["tokens"] / x["seconds"] for x in xs] for side, xs in runs.items()}
     res = {"before": args.before, "model": args.model or "random-llama-h256-l4", "threads": args.threads,
-           "tokens": runs["after"][0]["tokens"], "samples_digest": digests.pop(),
+           "tokens": runs["after"][0]["tokens"], "samples": len(first["after"]), "samples_that_differ": differ,
+           "tokens_before": runs["before"][0]["tokens"],
            "before_tokens_per_s": statistics.median(speed["before"]),
            "after_tokens_per_s": statistics.median(speed["after"]),
            "per_round_ratio": [a / b for a, b in zip(speed["after"], speed["before"])],
@@ -95,7 +97,7 @@ def main(argv=None):
     else:
         print(f"{res['model']}: before {res['before_tokens_per_s']:,.0f} tokens/s, after {res['after_tokens_per_s']:,.0f}"
               f" ({res['ratio_of_medians']:.2f}x; per round {', '.join(f'{x:.2f}' for x in res['per_round_ratio'])});"
-              f" same samples ({res['samples_digest']})")
+              f" {differ} of {len(first['after'])} samples differ")
 
 
 if __name__ == "__main__":

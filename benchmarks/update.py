@@ -18,7 +18,9 @@ Reports (medians over --repeats, each repeat on the same sampled responses)
 - iteration: completion tokens / (sampling + update) seconds, the figure TRL's script prints;
 - trl: when `trl` is importable (or --trl-python names a venv's python that has it), the peer script
   `trl_grpo.py` of ../shared/peers is run on the same model, once before each of our repeats (alternating),
-  and the median of its completion tokens/s reported beside ours (vineppo_over_trl).
+  and the median of its completion tokens/s reported beside ours (vineppo_over_trl);
+- the spread: every repeat's fraction of the limit, iteration tokens/s and ratio to its TRL run (``*_runs``), the
+  range a second run should land in.
 """
 
 from __future__ import annotations
@@ -153,10 +155,14 @@ def main() -> None:
                iteration_tokens_per_s=statistics.median(r["tokens"] / (r["sampling_s"] + r["update_s"]) for r in rows),
                sampling_s=med["sampling_s"], update_s=med["update_s"])
     out["fraction_of_limit"] = out["update_tokens_per_s"] / out["limit_tokens_per_s"]
+    # the run-to-run spread: each repeat's own figures (a second run should land within these ranges)
+    out["fraction_of_limit_runs"] = [r["limit_s"] / r["update_s"] for r in rows]
+    out["iteration_runs_tokens_per_s"] = [r["tokens"] / (r["sampling_s"] + r["update_s"]) for r in rows]
     if with_trl and all(trl_runs):
         trl = statistics.median(trl_runs)
         out.update(trl_tokens_per_s=trl, trl_runs_tokens_per_s=trl_runs,
-                   vineppo_over_trl=out["iteration_tokens_per_s"] / trl)
+                   vineppo_over_trl=out["iteration_tokens_per_s"] / trl,
+                   vineppo_over_trl_runs=[v / t for v, t in zip(out["iteration_runs_tokens_per_s"], trl_runs)])
     if args.json:
         print(json.dumps(out))
         return

@@ -103,8 +103,9 @@ def _with_prefixes(module, q, own, value, scale, step):
 
 
 def _to_slots(x, view):
-    """[B, H_kv, groups, X] per batch row -> [S, H_kv, C, groups, X] per (slot, copy); zeros where no row is."""
-    x = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, view.rows)  # row B: zeros
+    """[B, H_kv, groups, X] per batch row -> [S, H_kv, C, groups, X] per (slot, copy). A (slot, copy) that no row
+    holds gets row 0's values: finite, and what is computed from them is never gathered back to a row."""
+    x = x.index_select(0, view.rows)
     return x.view(view.slots, view.copies, *x.shape[1:]).transpose(1, 2)
 
 

@@ -300,12 +300,14 @@ class Batch:
         return self.view
 
     def attention_mask(self) -> torch.Tensor:
-        """[N, keys + 1] the step's mask: each row's own columns (and, when the model attends to each row's prefix
-        through the cache, its prefix columns first), plus the column being written."""
+        """The step's mask over each row's own columns (and, when the model attends to each row's prefix through
+        the cache, its prefix columns first), plus the column being written: [N, 1, 1, keys + 1] boolean when the
+        engine's attention reads it (transformers takes a 4-D mask as it is instead of building one every step),
+        else [N, keys + 1] for the model's own mask builder."""
         G = self.width
         own = torch.arange(G + 1, device=self.dev).unsqueeze(0) >= (G - self.s).unsqueeze(1)
         if self.shared:
-            return own.long()
+            return own.view(self.N, 1, 1, G + 1)
         prefix = torch.arange(self.step_view().width, device=self.dev).unsqueeze(0) < self.b.unsqueeze(1)
         return torch.cat([prefix, own], dim=1).long()
 

@@ -24,7 +24,7 @@ class StepView:
     slots: int  # S: slots 0..S-1 are attended to
     width: int  # P: columns 0..P-1 of every slot (the longest prefix in use)
     copies: int  # C: query rows per slot
-    rows: torch.Tensor  # [S * C] batch row of each (slot, copy) query row; N (a zero query) where none
+    rows: torch.Tensor  # [S * C] batch row of each (slot, copy) query row; row 0 where none (its result is unread)
     where: torch.Tensor  # [N] each batch row's (slot * C + copy)
     mask: torch.Tensor  # [S, 1, 1, P] additive: 0 on a slot's prefix, -inf past it
 
@@ -83,7 +83,7 @@ class Prefixes:
         S, C = (max(used) + 1 if used else 1), self.copies
         P = max(max(self.length[:S]), 1)
         where = slot * C + copy
-        rows = torch.full((S * C,), N, dtype=torch.long, device=dev)
+        rows = torch.zeros(S * C, dtype=torch.long, device=dev)
         live = slot > 0
         rows[where[live]] = torch.arange(N, device=dev)[live]
         lengths = torch.tensor(self.length[:S], device=dev)
