@@ -10,7 +10,7 @@ The workload is rollouts.py's (the same setup functions). Two engine runs on it:
    job (scheduling, Python between the calls);
 2. torch.profiler over the same job: every operator's own CPU time inside the model's decode steps, put in
    attention (scaled_dot_product_attention and what it calls), linear layers (projections, MLP, LM head),
-   KV writes (the in-place appends of ``_OwnLayer.update``) and other model ops (norms, RoPE, activations,
+   KV writes (the in-place appends of ``OwnLayer.update``) and other model ops (norms, RoPE, activations,
    embedding, masks); what is left of the decode steps' time is Python and dispatch inside the model.
 The second run's split of the decode steps is applied to the first run's decode seconds (the profiler slows
 Python down, so its own wall-clock is not used).
@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 from vineppo.engine import Engine, attention
 from vineppo.engine import job as job_module
 from vineppo.engine.batch import Batch
+from vineppo.engine.split import OwnLayer
 from vineppo.engine.stops import Finisher
 from vineppo.models import seeded_generator
 
@@ -86,17 +87,13 @@ def timed(totals: dict[str, float], label_ops: bool = False):
 def labelled_kv_writes():
     """The in-place cache appends of the decode steps run under a 'kv_write' profiler label, the engine's decode
     attention under 'decode_attention'."""
-    from vineppo.engine.batch import (
-        _OwnLayer,  # the engine's private buffer layer, labelled for the profile only
-    )
-
-    update = _OwnLayer.update
+    update = OwnLayer.update
 
     def inner(self, *a, **kw):
         with record_function("kv_write"):
             return update(self, *a, **kw)
 
-    _OwnLayer.update = inner
+    OwnLayer.update = inner
     attend = AttentionInterface._global_mapping[attention.NAME]
 
     def labelled_attention(*a, **kw):  # the engine's decode attention is matmuls: label it to tell it from the MLP's
@@ -107,7 +104,7 @@ def labelled_kv_writes():
     try:
         yield
     finally:
-        _OwnLayer.update = update
+        OwnLayer.update = update
         AttentionInterface.register(attention.NAME, attend)
 
 

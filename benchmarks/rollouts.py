@@ -2,6 +2,10 @@
 
     python benchmarks/rollouts.py [--json] [--model DIR|FILE.gguf|HUB_ID] [--engine native|vllm]
                                   [--naive-fraction 0.2] [--threads N] [--repeats 3] [--prompts 64] [--max-new-tokens N]
+    python benchmarks/rollouts.py --shape qwen2.5-0.5b --device cuda [--decode graphs|split] [--token-budget N]
+
+With ``--shape``: random weights of a named shape on ``--device``, the generate and Monte Carlo workloads of
+``benchmarks/shapes.py`` (its docstring says what is measured); the rest of this docstring is the CPU benchmark.
 
 Workload: 64 prompts (`--prompts`), one response each (T=0.6, top-p 0.9), every step boundary of every
 response (the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
@@ -43,8 +47,11 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer
 
+import shapes
+from shapes import NullTokenizer as _NullTok  # breakdown.py and engine_ab.py import it from here
 from vineppo.config import ENGINES
 from vineppo.engine import Engine, SamplingParams, make_engine
+from vineppo.engine.native import DECODE
 from vineppo.models import seeded_generator
 
 K = 9
@@ -123,16 +130,6 @@ def model_setup(path, seed=0, n_prompts=N_PROMPTS, max_new=256):
         seqs.append(p + s.token_ids)
         bounds.append(b)
     return model, tok, seqs, bounds, params, 0
-
-
-class _NullTok:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-    def batch_decode(self, ids, skip_special_tokens=False):
-        return ["" for _ in ids]
 
 
 def run_vllm(eng, seqs, bounds, params, seed=0):
@@ -270,6 +267,12 @@ def _arguments(argv):
     ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (default: the machine's cores; use fewer when others share the machine)")
+    ap.add_argument("--shape", choices=sorted(shapes.SHAPES), help="random weights of this shape (see shapes.py)")
+    ap.add_argument("--device", default="cpu", help="with --shape: cpu or cuda")
+    ap.add_argument("--decode", default="auto", choices=DECODE, help="with --shape: the engine's decode path")
+    ap.add_argument("--token-budget", type=int, default=0, help="with --shape: the engine's budget (0: auto)")
+    ap.add_argument("--profile-tokens", type=int, default=64, help="with --shape on CUDA: new tokens of the profiled job")
+    ap.add_argument("--scale", type=float, default=1.0, help="with --shape: workload size (< 1: a smoke run)")
     return ap.parse_args(argv)
 
 
@@ -289,6 +292,17 @@ def _vllm_column(args, model, tok, seqs, bounds, params) -> dict:
 def main(argv=None):
     args = _arguments(argv)
     threads = _threads(args.threads)
+    if args.shape:
+        res = shapes.rollout_report(args.shape, torch.device(args.device), args.decode, args.repeats, args.token_budget,
+                                    args.profile_tokens, args.scale)
+        if args.json:
+            print(json.dumps(res))
+            return
+        print(res["budget_line"])
+        for w in ("generate", "monte_carlo"):
+            table = res[w].pop("profile_table", "")
+            print(w, json.dumps(res[w]), table, sep="\n")
+        return
     if args.model:
         model, tok, seqs, bounds, params, note = model_setup(args.model, n_prompts=args.prompts,
                                                              max_new=args.max_new_tokens or 256)

@@ -1,6 +1,10 @@
 """Benchmark of the PPO update against its limit, and of a GRPO iteration against TRL's GRPOTrainer.
 
     python benchmarks/update.py --model DIR [--json] [--threads N] [--repeats 3] [--trl-script PATH]
+    python benchmarks/update.py --shape qwen2.5-0.5b --device cuda [--micro-batch-tokens N] [--json]
+
+With ``--shape``: one PPO update on random weights of a named shape on ``--device``, its seconds, model FLOPs
+utilisation and peak memory (``benchmarks/shapes.py`` says how); the rest of this docstring is the CPU benchmark.
 
 Workload: one GRPO iteration of the `arith-tiny` preset on the model (an SFT model of `arith`): 16 prompts x
 8 responses sampled by the engine (T 0.6, top-p 0.9, at most 160 new tokens), GRPO advantages, then the
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+import shapes
 from vineppo import algorithms, config as configs
 from vineppo.engine import Engine, SamplingParams
 from vineppo.models import load_model, seeded_generator
@@ -123,7 +128,12 @@ def run_trl(model_dir: str, python: str, script: Path, threads: int) -> float | 
 def main() -> None:
     """Parse flags, run the workload, print the table (or one JSON line)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="an SFT model folder of arith (vineppo sft)")
+    p.add_argument("--model", help="an SFT model folder of arith (vineppo sft); or --shape")
+    p.add_argument("--shape", choices=sorted(shapes.SHAPES), help="random weights of this shape (see shapes.py)")
+    p.add_argument("--device", default="cpu", help="with --shape: cpu or cuda")
+    p.add_argument("--micro-batch", type=int, default=8, help="with --shape: episodes per micro-batch")
+    p.add_argument("--micro-batch-tokens", type=int, default=0, help="with --shape: cut micro-batches by tokens")
+    p.add_argument("--scale", type=float, default=1.0, help="with --shape: workload size (< 1: a smoke run)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--trl-python", default=None, help="python of a venv with trl==1.16.0 (default: this one if trl "
@@ -133,6 +143,12 @@ def main() -> None:
     args = p.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
+    if args.shape:
+        print(json.dumps(shapes.update_report(args.shape, torch.device(args.device), args.repeats, args.micro_batch,
+                                              args.micro_batch_tokens, args.scale)))
+        return
+    if not args.model:
+        p.error("--model or --shape is required")
     cfg, task, prompter, ctx = setup(args.model)
     episodes, _ = sample(cfg, task, prompter, ctx, seed=99)  # warm-up of the engine and the update
     time_update(episodes, ctx)

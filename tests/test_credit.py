@@ -250,3 +250,59 @@ def test_step_join_with_sentencepiece_tokenizer():
     assert credit.advantages[0].tolist() == [0.0] * len(response)  # every state replays the response: V = its reward
     node = Node(prompt + response, len(prompt) + 4, len(prompt), "1000")
     assert rollout_rewards(ReplayEngine(tok), tok, grade_gsm8k, [node], 2, PARAMS, None)[0] == [[reward, reward]]
+
+
+def _qwen(vocab=300):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=vocab))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_log_probs_in_chunks_of_positions_equal_the_whole_forward(share, monkeypatch):
+    """Past LOGITS_BYTES of logits, token_logprobs runs the head on chunks of positions, recomputed in the backward
+    pass: the same log-probs, entropies and gradients as the model's own forward (float32 rounding)."""
+    from vineppo import ppo
+
+    model = _qwen()
+    batch = pack([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11]], [[20, 21, 22, 23, 24], [30, 31], [40, 41, 42]], 0,
+                 share=share)
+    runs = []
+    for limit in (1 << 40, 1000):  # one piece; then 18 chunks
+        monkeypatch.setattr(ppo, "LOGITS_BYTES", limit)
+        assert ppo._chunks(model, batch) == (1 if limit > 1000 else 18)
+        logp, entropy = ppo.token_logprobs(model, batch, 0.7)
+        (logp * batch.mask).sum().backward()
+        runs.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    (a, ea, ga), (b, eb, gb) = runs
+    m = batch.mask.bool()
+    assert torch.allclose(a[m], b[m], atol=1e-5) and torch.allclose(ea[m], eb[m], atol=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(ga, gb))
+
+
+def test_a_model_whose_logits_are_not_its_head_of_the_last_state_is_not_chunked(monkeypatch):
+    """Soft-capped or scaled logits (Gemma, Cohere, Granite) are not head(hidden): such a model keeps its own forward."""
+    from vineppo import ppo
+
+    model = _qwen()
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: type(out := forward(*a, **k))(logits=out.logits * 0.5))
+    monkeypatch.setattr(ppo, "LOGITS_BYTES", 1000)
+    assert ppo._chunks(model, pack([[5, 6]], [[7, 8, 9]], 0)) == 1
+    assert ppo._chunks(_qwen(), pack([[5, 6]], [[7, 8, 9]], 0)) > 1
+
+
+def test_micro_batches_by_tokens_keep_a_prompts_responses_together_within_the_budget():
+    """--micro-batch-tokens: micro-batches cut where rows x (longest prompt + longest response) would pass the
+    budget, a prompt's responses side by side and by length; without it, fixed counts as before."""
+    from vineppo.ppo import micro_batches
+
+    prompts = [[1] * 4] * 3 + [[2] * 6] * 3
+    responses = [[0] * n for n in (10, 2, 5, 3, 9, 4)]
+    assert micro_batches(list(range(6)), prompts, 2) == [[0, 1], [2, 3], [4, 5]]
+    batches = micro_batches(list(range(6)), prompts, 2, responses, tokens=30)
+    assert batches == [[1, 2], [0], [3, 5], [4]]
+    assert all(len(b) * (max(len(prompts[i]) for i in b) + max(len(responses[i]) for i in b)) <= 30 for b in batches)

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from transformers import (
 
 from vineppo.engine import TOP_K, Engine, Sample, SamplingParams
 from vineppo.engine.sampling import sample
+from vineppo.models import cache_keyword
 
 torch.set_num_threads(1)
 
@@ -479,7 +481,7 @@ def test_continuations_honour_per_row_budgets(llama, tok):
 EXPECTED = Path(__file__).with_name("engine_expected.json")
 
 
-def recorded_workload(tok) -> dict:
+def recorded_workload(tok, decode: str = "split") -> dict:
     """Samples of a fixed-seed workload that goes through every path of the engine: sampling by full softmax, by
     top-p through the top-k and through the full sort, greedy; stop strings; several EOS ids; per-row budgets;
     rows refilled in place and batches rebuilt under a small token budget. Recorded in engine_expected.json from
@@ -497,21 +499,25 @@ def recorded_workload(tok) -> dict:
             "stop": (llama, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, stop=("e", "7x"))),
             "greedy": (peaked, SamplingParams(temperature=0, max_new_tokens=12))}
     for name, (m, params) in jobs.items():
-        out = Engine(m, tok, token_budget=90).generate(prompts, 3, params, generator=torch.Generator().manual_seed(7))
+        out = Engine(m, tok, token_budget=90, decode=decode).generate(prompts, 3, params,
+                                                                      generator=torch.Generator().manual_seed(7))
         res[name] = [flat(r) for r in out]
     seqs = [p + s[0][0] for p, s in zip(prompts, res["sort"])]
     bounds = [sorted({len(p), len(p) + 3, len(q) - 1} & set(range(1, len(q) + 1))) for p, q in zip(prompts, seqs)]
     budgets = [[10, 4, 7][: len(b)] for b in bounds]
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=10, stop=("q",))
     for name, m, budget in (("mc", peaked, 1 << 20), ("mc_small", peaked, 60), ("mc_llama", llama, 70)):
-        out = Engine(m, tok, token_budget=budget).continuations(seqs, bounds, 3, params, budgets=budgets,
-                                                               generator=torch.Generator().manual_seed(11))
+        out = Engine(m, tok, token_budget=budget, decode=decode).continuations(
+            seqs, bounds, 3, params, budgets=budgets, generator=torch.Generator().manual_seed(11))
         res[name] = [[flat(x) for x in r] for r in out]
     return res
 
 
-def test_same_seed_same_samples_as_recorded(tok):
-    got = recorded_workload(tok)
+@pytest.mark.parametrize("decode", ["split", "ring"])
+def test_same_seed_same_samples_as_recorded(tok, decode):
+    """Both KV layouts: the ring's steps (run eagerly here; CUDA graphs replay the same steps) admit, refill and drop
+    rows as the split layout does, so they draw the recorded samples too (its sums go in another order)."""
+    got = recorded_workload(tok, decode)
     want = json.loads(EXPECTED.read_text())
     assert got.keys() == want.keys()
     for name in want:
@@ -601,3 +607,83 @@ def test_an_attention_that_bypasses_the_engine_is_refused(llama, tok, monkeypatc
     with pytest.raises(NotImplementedError, match="attention interface"):
         Engine(llama, tok).generate(_prompts([5, 9]), 2, SamplingParams(temperature=0, max_new_tokens=4))
     assert llama.config._attn_implementation == "sdpa"
+
+
+# ------------------------------------------------------------------ the ring layout and CUDA graphs
+
+
+def test_ring_rows_and_graph_buckets():
+    """A job's ring holds the most rows the scheduler can admit; graph buckets pad a batch by at most 1.5x."""
+    from vineppo.engine.graphs import bucket
+    from vineppo.engine.ring import planned_rows
+
+    sizes = [bucket(n, 10**6) for n in range(1, 200)]
+    assert sizes[:9] == [1, 2, 3, 4, 6, 6, 8, 8, 12] and all(n <= b <= max(2, 1.5 * n) for n, b in enumerate(sizes, 1))
+    assert len(set(sizes)) == 16 and bucket(700, 600) == 600  # few graphs; never more rows than the ring holds
+    assert planned_rows([10, 30], copies=500, budget=1000, max_new=40) == 20  # budget // (shortest + max_new)
+    assert planned_rows([10, 30], copies=7, budget=1000, max_new=40) == 7 and planned_rows([900], 5, 100, 40) == 1
+
+
+def test_ring_prefixes_wrap_around_the_buffer(llama, tok):
+    """A ring narrower than a job's steps: the write column wraps many times, prefixes are written across the
+    buffer's end, and every continuation's log-probs still equal a fresh forward's."""
+    from vineppo.engine import ring
+
+    prompts = _prompts([5, 17, 2, 11, 9, 23], seed=4)
+    seqs = [p + list(range(3, 3 + 12)) for p in prompts]
+    bounds = [[len(p), len(p) + 5, len(s) - 1] for p, s in zip(prompts, seqs)]
+    engine = Engine(llama, tok, token_budget=200, decode="ring")
+    params = SamplingParams(temperature=1.0, max_new_tokens=9)
+    mc = engine.continuations(seqs, bounds, 3, params, generator=torch.Generator().manual_seed(2))
+    assert engine.pool.width == ring.ALIGN  # 35 + 9 columns, rounded up: far fewer than the job's steps
+    _assert_fresh_logprobs(llama, seqs, bounds, mc)
+    engine.sleep()
+    assert engine.pool.k == [] and engine.pool.rows == 0  # freed before an update
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2"])
+def test_ring_step_reads_no_tensor_values_on_the_host(kind, tok):
+    """A CUDA graph cannot capture a step that reads a tensor's values on the host (.item(), a Python if on a
+    tensor, nonzero): the ring's decode step runs on meta tensors, where any such read fails."""
+    from vineppo.engine.attention import packed_decode
+    from vineppo.engine.ring import RingKV, RingPool
+
+    m = _make(kind, len(tok)).to("meta")
+    pool = RingPool(torch.device("meta"), graphs=False)
+    H, D = m.config.num_key_value_heads if kind == "qwen2" else 4, 16
+    pool.ensure(12, 64, [(torch.empty(1, H, 3, D, device="meta"),) * 2] * 2, [])
+    engine = SimpleNamespace(model=m, cache_kw=cache_keyword(m))  # what the step asks of its engine
+    with torch.inference_mode(), packed_decode(m):
+        logits = RingKV(pool, 12, 40)._decode(engine, 8)
+    assert logits.shape == (8, len(tok)) and logits.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_replay_the_eager_ring_steps(tok):
+    """On a GPU, the graphs replay exactly the ring's eager steps (the same kernels): the same samples and log-probs;
+    against the split layout, the same samples up to near-ties."""
+    m = _make("qwen2", len(tok)).cuda()
+    prompts = _prompts([5, 17, 2, 11, 9, 23, 30, 4], seed=5)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=40)
+    out = {}
+    for decode in ("graphs", "ring", "split"):
+        engine = Engine(m, tok, token_budget=300, decode=decode)
+        for _ in range(2):  # the second job replays the graphs the first captured
+            out[decode] = engine.generate(prompts, 5, params, generator=torch.Generator("cuda").manual_seed(3))
+        if decode == "graphs":
+            assert engine.pool.graphs.captured >= 2 and len(engine.pool.graphs.graphs) == engine.pool.graphs.captured
+    flat = {d: [(s.token_ids, s.logprobs) for r in o for s in r] for d, o in out.items()}
+    assert flat["graphs"] == flat["ring"]
+    same = sum(a[0] == b[0] for a, b in zip(flat["graphs"], flat["split"]))
+    assert same >= 0.9 * len(flat["split"])
+
+
+
+def test_token_budget_on_a_cpu_and_the_bytes_of_a_token(llama):
+    """The default budget is fixed on a CPU; on a GPU it divides free memory by a token's keys/values in all layers
+    (here 2 layers x keys and values x 2 heads x 16 dims x 4 bytes)."""
+    from vineppo.engine.budget import CPU_BUDGET, auto_token_budget, kv_bytes_per_token, update_reserve
+
+    assert auto_token_budget(llama)[0] == CPU_BUDGET == 65536
+    assert kv_bytes_per_token(llama) == 2 * 2 * 2 * 16 * 4
+    assert update_reserve(llama) == 12 * sum(p.numel() for p in llama.parameters())

@@ -68,6 +68,7 @@ class TrainConfig:
     epochs: int = 2  # passes over the iteration's episodes
     minibatch: int = 64  # episodes per optimiser step
     micro_batch: int = 8  # episodes per forward/backward (memory, not maths)
+    micro_batch_tokens: int = 0  # > 0: micro-batches cut at this many padded tokens instead of --micro-batch episodes (on a GPU: few large passes)
     lr: float = 1e-6  # policy learning rate (AdamW)
     critic_lr: float = 1e-6  # PPO critic learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -91,7 +92,8 @@ class TrainConfig:
     eval_temperature: float = 0.35  # evaluation sampling temperature
     save_every: int = 10  # iterations between checkpoints (always one at the end)
     keep_checkpoints: int = 2  # checkpoints kept on disk
-    token_budget: int = 65536  # engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds)
+    token_budget: int = 0  # engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds); 0: auto, 65536 on a CPU, from free memory on a GPU
+    cuda_graphs: bool = True  # native engine on CUDA: decode steps replayed as CUDA graphs (false: eager steps)
     engine: str = "native"  # rollout backend: native | vllm (vLLM, its own copy of the weights; extra vineppo[vllm])
     fsdp: bool = False  # under torchrun, shard policy, reference and critic over the ranks (FSDP2, per decoder layer)
     dtype: str = "float32"  # float32 | bfloat16: bf16 autocast; trained weights and AdamW state stay float32
@@ -147,11 +149,11 @@ RULES: dict[str, Rule] = {
     "mc_states": (lambda v: re.fullmatch(r"all|(every|tokens|budget):[1-9]\d*", v) is not None,
                   "must be all, every:N, tokens:N or budget:B (N, B >= 1)"),
     "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
-    "micro_batch": AT_LEAST_1, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
+    "micro_batch": AT_LEAST_1, "micro_batch_tokens": AT_LEAST_0, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
     "time_budget_s": NON_NEGATIVE, "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
-    "token_budget": AT_LEAST_1, "dtype": (lambda v: v in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+    "token_budget": AT_LEAST_0, "dtype": (lambda v: v in ("float32", "bfloat16"), "must be float32 or bfloat16"),
     "lora_r": AT_LEAST_0, "lora_alpha": POSITIVE, "lora_targets": (lambda v: v.strip(",  ") != "", "must name modules"),
     "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
     "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,
@@ -170,7 +172,7 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("sample_from", lambda c: c.sample_from == "policy" or c.estimator == "none",
      lambda c: f"{c.algo} learns on-policy (its update and credit assume its own samples); sft is for dpo-positive "
                f"or restem"),
-    ("token_budget", lambda c: c.token_budget > c.max_new_tokens,
+    ("token_budget", lambda c: c.token_budget == 0 or c.token_budget > c.max_new_tokens,
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
     ("lora_r", lambda c: not c.lora_r or peft_installed(), lambda c: NEEDS_PEFT),
     ("lora_r", lambda c: not (c.lora_r and c.fsdp),

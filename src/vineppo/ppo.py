@@ -9,12 +9,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from vineppo import distributed as dist
 from vineppo import parallel
 from vineppo.minibatch import Net, Schedule, aligned, drive
 from vineppo.models import cache_keyword, load_model, pretrained
+
+# Above this many bytes of float32 logits (rows x response tokens x vocabulary), log-probs are computed from the
+# decoder's hidden states in chunks of positions, each chunk's logits recomputed in the backward pass: a 0.5B
+# model's 151,936-entry vocabulary would otherwise take 0.6 MB per token, several copies over.
+LOGITS_BYTES = 2**30
 
 
 @dataclass
@@ -104,35 +110,111 @@ def token_logprobs(model: nn.Module, batch: Packed, temperature: float) -> tuple
     """Log-probs of each response token under softmax(logits / T), and the entropy of that distribution: [B, R].
 
     The LM head runs only on the scored positions (`logits_to_keep`): with a 50k vocabulary, logits for the
-    prompt would be the largest tensor of the update."""
+    prompt would be the largest tensor of the update. Past LOGITS_BYTES of logits, in chunks (`chunked_logprobs`)."""
+    targets = batch.input_ids[:, -batch.mask.shape[1]:]
+    if _chunks(model, batch) > 1:
+        return chunked_logprobs(model, batch, targets, temperature)
     if batch.prompts is not None:
         logits = _shared_prompt_logits(model, batch)
     else:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                        logits_to_keep=batch.scored(), use_cache=False).logits
     logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    targets = batch.input_ids[:, -batch.mask.shape[1]:]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
+def chunked_logprobs(model: nn.Module, batch: Packed, targets: torch.Tensor,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs from the decoder's hidden states, the LM head applied to a chunk of positions at a time and
+    recomputed in the backward pass (activation checkpointing), so no [B, R, V] tensor of logits exists."""
+    hidden = _response_hidden(model, batch)
+    head = pretrained(model).get_output_embeddings()
+    R = hidden.shape[1]
+    size = -(-R // _chunks(model, batch))
+    parts = [checkpoint(_head_logprobs, head, hidden[:, a:a + size], targets[:, a:a + size], temperature,
+                        use_reentrant=False) for a in range(0, R, size)]
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+
+
+def _head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float() / temperature
+    lse = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():  # the entropy is reported, not trained on
+        entropy = lse - ((logits - lse.unsqueeze(-1)).exp() * logits).sum(-1)
+    return logp, entropy
+
+
+def _chunks(model: nn.Module, batch: Packed) -> int:
+    """How many chunks of positions the log-probs of `batch` take (1: the model's own forward, in one piece).
+
+    Chunks need the decoder and the head called apart: one process (DDP and FSDP hook the whole model's forward)
+    and a model whose logits are exactly head(last hidden state) (no soft-capping or scaling), checked once."""
+    B, R = batch.mask.shape
+    head = pretrained(model).get_output_embeddings()
+    n = -(-B * R * head.weight.shape[0] * 4 // LOGITS_BYTES)
+    if n <= 1 or dist.active():
+        return 1
+    return n if _plain_head(model, batch.input_ids.device) else 1
+
+
+def _plain_head(model: nn.Module, device: torch.device) -> bool:
+    """True when `model`'s logits are its output embeddings applied to its decoder's last hidden state (memoised)."""
+    inner = pretrained(model)
+    if getattr(inner, "_vineppo_plain_head", None) is None:
+        ids = torch.arange(2, 10, device=device).view(1, -1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+            again = inner.get_output_embeddings()(inner.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state)
+        inner._vineppo_plain_head = bool(torch.equal(logits, again))
+    return inner._vineppo_plain_head
+
+
+def _response_hidden(model: nn.Module, batch: Packed) -> torch.Tensor:
+    """The decoder's last hidden states at the positions that predict the response tokens: [B, R, hidden]."""
+    decoder = pretrained(model).get_decoder()
+    if batch.prompts is None:
+        out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                      use_cache=False)
+        return out.last_hidden_state[:, batch.scored()]
+    return _shared_prompt_states(decoder, batch)
+
+
 def _shared_prompt_logits(model: nn.Module, batch: Packed) -> torch.Tensor:
     """The logits of token_logprobs in two passes: the distinct prompts, then every response on its prompt's keys
     and values (indexed per row, so gradients flow back to the shared prompt pass), exactly as one pass would."""
+    R = batch.mask.shape[1]
+    shared, head, body_kw = _shared_prompt_pass(model, batch, logits_to_keep=1)
+    body = model(**body_kw, logits_to_keep=torch.arange(R - 1, device=shared.device))
+    return torch.cat([head.logits[batch.prompts.rows, -1:], body.logits], 1)
+
+
+def _shared_prompt_states(decoder: nn.Module, batch: Packed) -> torch.Tensor:
+    """_shared_prompt_logits' two passes through the decoder alone: the hidden states instead of the logits."""
+    shared, head, body_kw = _shared_prompt_pass(decoder, batch)
+    body = decoder(**body_kw)
+    return torch.cat([head.last_hidden_state[batch.prompts.rows, -1:], body.last_hidden_state[:, :-1]], 1)
+
+
+def _shared_prompt_pass(model: nn.Module, batch: Packed, **kwargs) -> tuple[torch.Tensor, object, dict]:
+    """The distinct prompts' pass (its output, `kwargs` passed on), and the keyword arguments of the responses'
+    pass over each row's prompt keys and values; the first item is the responses' attention mask."""
     sp, R = batch.prompts, batch.mask.shape[1]
     config, kw = pretrained(model).config, cache_keyword(model)
     cache = DynamicCache(config=config)
     head = model(input_ids=sp.input_ids, attention_mask=sp.attention_mask, use_cache=True, **{kw: cache},
-                 position_ids=(sp.attention_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1).logits[:, -1]
+                 position_ids=(sp.attention_mask.cumsum(-1) - 1).clamp(min=0), **kwargs)
     shared = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         shared.update(layer.keys[sp.rows], layer.values[sp.rows], i)
     attention = torch.cat([sp.attention_mask[sp.rows], batch.mask.long()], 1)
     positions = sp.attention_mask.sum(1)[sp.rows, None] + torch.arange(R, device=attention.device)
-    body = model(input_ids=batch.input_ids[:, -R:], attention_mask=attention, position_ids=positions,
-                 use_cache=True, logits_to_keep=torch.arange(R - 1, device=attention.device), **{kw: shared})
-    return torch.cat([head[sp.rows, None], body.logits], 1)
+    body_kw = dict(input_ids=batch.input_ids[:, -R:], attention_mask=attention, position_ids=positions, use_cache=True,
+                   **{kw: shared})
+    return attention, head, body_kw
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
@@ -225,6 +307,7 @@ class UpdateConfig:
     grad_clip: float
     value_clip: float
     dtype: str = "float32"  # float32 | bfloat16 (autocast; see vineppo.parallel)
+    micro_batch_tokens: int = 0  # > 0: micro-batches cut by padded tokens instead of `micro_batch` episodes
 
 
 @dataclass
@@ -297,7 +380,7 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
     # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
     ids = list(range(len(prompts))) if data.ids is None else data.ids
     schedule = Schedule(epochs=cfg.epochs, minibatch=cfg.minibatch, grad_clip=cfg.grad_clip, generator=generator,
-                        split=lambda mb: micro_batches(mb, prompts, cfg.micro_batch))
+                        split=lambda mb: micro_batches(mb, prompts, cfg.micro_batch, responses, cfg.micro_batch_tokens))
     return drive(steps, schedule, ids, [float(len(r)) for r in responses], totals)
 
 
@@ -308,7 +391,8 @@ def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: tor
     old_logp = {i: lp.to(device) for i, lp in enumerate(data.old_logprobs)} if given else {}
     ref_logp = {}
     with torch.no_grad(), parallel.autocast(device, cfg.dtype):
-        for idx in micro_batches(list(range(len(data.prompts))), data.prompts, cfg.micro_batch):
+        for idx in micro_batches(list(range(len(data.prompts))), data.prompts, cfg.micro_batch, data.responses,
+                                 cfg.micro_batch_tokens):
             b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id,
                      share=share).to(device)
             if not given:
@@ -319,13 +403,27 @@ def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: tor
     return old_logp, ref_logp
 
 
-def micro_batches(indices: list[int], prompts: list[list[int]], size: int) -> list[list[int]]:
-    """`indices` ordered by prompt length, then prompt, cut into micro-batches of `size`, `aligned` over ranks.
+def micro_batches(indices: list[int], prompts: list[list[int]], size: int, responses: list[list[int]] | None = None,
+                  tokens: int = 0) -> list[list[int]]:
+    """`indices` ordered by prompt length, then prompt, cut into micro-batches of `size`, `aligned` over ranks; with
+    `tokens` (and `responses`), ordered by response length within a prompt too and cut where rows x (longest
+    prompt + longest response) would pass `tokens`: on a GPU, few large passes of little padding.
 
     The order means less padding, and a prompt's responses share micro-batches (its prompt is encoded once);
     a minibatch's gradient is the sum over its micro-batches, whatever their make-up."""
-    ordered = sorted(indices, key=lambda i: (len(prompts[i]), prompts[i]))
-    return aligned([ordered[i:i + size] for i in range(0, len(ordered), max(1, size))])
+    if not tokens:
+        ordered = sorted(indices, key=lambda i: (len(prompts[i]), prompts[i]))
+        return aligned([ordered[i:i + size] for i in range(0, len(ordered), max(1, size))])
+    ordered = sorted(indices, key=lambda i: (len(prompts[i]), prompts[i], len(responses[i])))
+    batches, cur, P, R = [], [], 0, 0
+    for i in ordered:
+        p, r = max(P, len(prompts[i])), max(R, len(responses[i]))
+        if cur and (len(cur) + 1) * (p + r) > tokens:
+            batches.append(cur)
+            cur, p, r = [], len(prompts[i]), len(responses[i])
+        cur.append(i)
+        P, R = p, r
+    return aligned(batches + ([cur] if cur else []))
 
 
 def _stack(rows: list[torch.Tensor], shape: torch.Size, device: torch.device) -> torch.Tensor:

@@ -27,6 +27,7 @@ from vineppo.algorithms import Context, get_algorithm
 from vineppo.config import TrainConfig, check_engine
 from vineppo.credit import Episode, groups
 from vineppo.engine import Engine, SamplingParams, make_engine
+from vineppo.engine.budget import auto_token_budget, update_reserve
 from vineppo.errors import UserError
 from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
 from vineppo.grading import outcome_reward
@@ -180,8 +181,11 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Ru
     models = build_models(cfg, policy, device)
     policy = models.trained.policy
     sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]
-    engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=cfg.token_budget)
-    eval_engine = engine if sampler is policy else Engine(policy, tokenizer, token_budget=cfg.token_budget)
+    budget = _token_budget(cfg, sampler, models, main)
+    engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=budget,
+                         cuda_graphs=cfg.cuda_graphs)
+    eval_engine = engine if sampler is policy else make_engine("native", policy, tokenizer, token_budget=budget,
+                                                               cuda_graphs=cfg.cuda_graphs)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
 
     state = RunState.from_json(runs.load_checkpoint(found, models.trained, device)) if resume else RunState()
@@ -203,6 +207,18 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Ru
                       critic_opt=models.trained.critic_opt, status=bar.status,
                       sampling=lambda: run.sampling(sampler, models.trained.critic))
     return run
+
+
+def _token_budget(cfg: TrainConfig, sampler: torch.nn.Module, models: Models, main: bool) -> int:
+    """--token-budget, or when 0 the device's default (on a GPU: from the memory free once the update's gradients and
+    optimiser state are set aside), said in one line."""
+    if cfg.token_budget:
+        return cfg.token_budget
+    trained = [models.trained.policy] + ([models.trained.critic] if models.trained.critic is not None else [])
+    budget, line = auto_token_budget(sampler, sum(update_reserve(m) for m in trained))
+    if main and next(sampler.parameters()).device.type == "cuda":
+        console.print(line, highlight=False, soft_wrap=True)
+    return budget
 
 
 def iteration(run: Run, it: int) -> bool:
@@ -459,7 +475,7 @@ def _check_lengths(cfg: TrainConfig, prompter: Prompter, model, train_set: list[
         if n + cfg.max_new_tokens > ctx:
             raise UserError(f"{where}, and with --max-new-tokens {cfg.max_new_tokens} it exceeds the model's context "
                             f"({ctx}); lower --max-new-tokens to {ctx - n} or leave out the long problems")
-        if n + cfg.max_new_tokens > cfg.token_budget:
+        if cfg.token_budget and n + cfg.max_new_tokens > cfg.token_budget:
             raise UserError(f"--token-budget {cfg.token_budget} is smaller than one row: {where}, plus "
                             f"--max-new-tokens {cfg.max_new_tokens}")
 

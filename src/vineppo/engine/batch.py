@@ -1,12 +1,9 @@
-"""The running decode batch and its KV cache: each row keeps only the keys/values it generated, written in place.
+"""The running decode batch: one row per sample being generated, its per-row state, and which rows finished.
 
-A row continues a prefix that the prefix store (``prefixes.py``) holds once for all copies of its unit; the row's
-own cache holds the tokens it generated since it was admitted. Every row writes its next token at the same
-column of a preallocated buffer, so a row with s own tokens occupies the last s columns of the own-cache view;
-the columns to its left hold finite keys/values (zeros, or a finished row's leftovers) and are masked out.
-Admitting a row copies nothing but its per-row state; a finished row stays in place, masked, until a new row
-takes its place (``fill``) or the batch is rebuilt without it (``rebuild``, which copies the kept rows' own
-columns, not their prefixes).
+Where the rows' keys and values live is the batch's KV layout (``kv``), called as rows come and go: the split
+layout (``split.py``: own tokens per row, prefixes once per unit; eager decoding) or the ring layout (``ring.py``:
+fixed buffers for CUDA graphs). A finished row stays in place, masked, until a new row takes its place
+(``fill``) or the batch is rebuilt without it (``rebuild``: kept rows first, then the new ones).
 
 Admission decisions (``schedule.py``) read ``L`` and ``n``: the longest row (prefix + own tokens) and the write
 column of a cache that held every row's prefix in its own row, the layout this one replaced. They are kept as
@@ -18,10 +15,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
 from vineppo.engine.plan import Unit
-from vineppo.engine.prefixes import Prefixes, StepView
 
 
 class Group:
@@ -63,77 +59,25 @@ def layers_kv(cache):
     return kv
 
 
-class _OwnLayer(DynamicLayer):
-    """One layer's own-token cache of the batch: keys/values [N, H, capacity, D], the view the last ``width`` columns
-    before the write column ``w``.
-
-    A decode step writes its column in place (``DynamicLayer.update`` concatenates, copying the whole cache every
-    step) and, when the engine's decode attention runs (``shared``), returns the view: the attention adds the
-    prefix store's keys itself. Otherwise (a model whose attention the engine does not replace) it returns each
-    row's prefix and own tokens side by side, [N, H, P + width, D], for the model's own attention.
-    """
-
-    def __init__(self, kb, vb, width, extra, batch, index):
-        super().__init__()
-        self.kb, self.vb, self.w, self.width, self.extra = kb, vb, width, width, extra
-        self.batch, self.index = batch, index
-        self.device, self.is_initialized = kb.device, True
-        self._views()
-
-    def _views(self):
-        self.keys = self.kb[:, :, self.w - self.width : self.w]
-        self.values = self.vb[:, :, self.w - self.width : self.w]
-
-    def get_seq_length(self) -> int:
-        """The key length the model's mask must cover before this step's column (``Batch.attention_mask``)."""
-        return self.width + (0 if self.batch.shared else self.batch.step_view().width)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        m = key_states.shape[-2]
-        if self.w + m > self.kb.shape[2]:  # out of room: the view moves to the front of a larger buffer
-            N, H, _, D = self.kb.shape
-            kb, vb = self.kb.new_empty(N, H, self.width + m + self.extra, D), self.vb.new_empty(N, H, self.width + m + self.extra, D)
-            kb[:, :, : self.width], vb[:, :, : self.width] = self.keys, self.values
-            self.kb, self.vb, self.w = kb, vb, self.width
-        self.kb[:, :, self.w : self.w + m] = key_states
-        self.vb[:, :, self.w : self.w + m] = value_states
-        self.w += m
-        self.width += m
-        self._views()
-        if self.batch.shared:
-            return self.keys, self.values
-        pk, pv = self.batch.prefix_rows(self.index)
-        return torch.cat([pk, self.keys], dim=2), torch.cat([pv, self.values], dim=2)
-
-    def shrink(self, width: int) -> None:
-        """Drop view columns on the left that no row uses."""
-        self.width = width
-        self._views()
-
-
-# Per-row state besides the cache, in the order rebuild sets it.
+# Per-row state, in the order rebuild sets it.
 _ROW_FIELDS = ("pos", "pending", "tok", "lp", "gen", "limit", "alive", "slot", "copy", "b", "s")
 
 
 class Batch:
     """The running decode batch, one row per sample being generated (see the module docstring)."""
 
-    def __init__(self, dev, max_new, extra, budgets, p_max, shared=True):
-        self.dev, self.max_new, self.extra = dev, max_new, extra
+    def __init__(self, dev, max_new: int, extra: int, budgets: list[list[int]], kv):
+        self.dev, self.max_new, self.extra = dev, max_new, extra  # extra: the replaced layout's spare columns
         self.budgets = budgets  # budgets[i][j]: new tokens allowed to the rows continuing boundary j of sequence i
-        self.shared = shared  # the engine's decode attention reads the prefix store (else each layer hands it out)
-        self.prefixes = Prefixes(p_max)
+        self.kv = kv  # the KV layout: split.SplitKV or ring.RingKV
         self.N = self.L = 0
-        self.width = 0  # own-cache columns in the view: the most own tokens any row has
         self.start = self.write = self.capacity = 0  # the replaced layout's view start, write column and buffer size
-        self.cache = None  # DynamicCache of _OwnLayer
-        self.view: StepView | None = None  # the prefix store's step view; None after rows change
         self.meta: list[RowId] = []
         self.dead: list[int] = []  # finished rows still held, masked, until refilled or rebuilt away
         self.pos = self.pending = None  # [N] position and token of each row's next input
         self.tok = self.lp = None  # [N, max_new] tokens generated so far and their log-probs
         self.gen = self.limit = self.alive = None  # [N] tokens generated, allowed, and 1 while the row runs
-        self.slot = self.copy = None  # [N] the row's prefix slot (0 once finished) and its copy index in the slot
+        self.slot = self.copy = None  # [N] the row's prefix slot (0 once finished) and its copy index (split layout)
         self.b = self.s = None  # [N] prefix tokens (0 once finished) and own tokens in the cache
 
     @property
@@ -146,23 +90,15 @@ class Batch:
         return torch.tensor([self.budgets[u.seq][u.boundary] for u in units for _ in range(u.copies)],
                             dtype=torch.long, device=self.dev)
 
-    def _slots(self, units, groups):
-        """A prefix slot for each unit, and per row of ``units``: its slot, copy index and prefix length."""
-        slot, copy, b = [], [], []
-        for u in units:
-            grp = groups[u.group]
-            s = self.prefixes.add(grp.kv, u.row, grp.pads[u.row], u.length, u.copies)
-            slot += [s] * u.copies
-            copy += range(u.copies)
-            b += [u.length] * u.copies
+    def _admit(self, rows, units, groups):
+        """The layout takes in the rows of ``units`` at ``rows``; per row: its slot, copy index and prefix length."""
+        slot, copy = self.kv.admit(self, rows, units, groups)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.dev)  # noqa: E731
-        self.view = None
-        return t(slot), t(copy), t(b)
+        return t(slot), t(copy), t([u.length for u in units for _ in range(u.copies)])
 
     def rebuild(self, units: list[Unit], groups: dict[int, Group], tok0, lp0) -> None:
-        """Drop dead rows and append the rows of ``units``: each kept row's own columns are copied once, straight
-        into the new buffer; a new row's prefix goes to the prefix store once per unit. ``tok0``/``lp0`` are the
-        new rows' first tokens, already sampled from the prefill logits."""
+        """Drop dead rows and append the rows of ``units`` (the layout copies each kept row's cache once).
+        ``tok0``/``lp0`` are the new rows' first tokens, already sampled from the prefill logits."""
         dead = set(self.dead)
         keep = [r for r in range(self.N) if r not in dead]
         keep_t = torch.tensor(keep, device=self.dev) if keep and dead else None
@@ -175,41 +111,12 @@ class Batch:
         self.dead = []
         self.N, self.L = len(keep) + len(new_b), max([L_old] + new_b)
         self.start, self.write, self.capacity = 0, self.L, self.L + self.extra
-        self.view = None
+        self.kv.rebuild(self, keep, G, units, groups)
         if self.N == 0:
-            self.cache = None
             for name in _ROW_FIELDS:
                 setattr(self, name, None)
             return
-        self.cache = self._copy_cache(keep, G, units, groups)
-        self.width = G
-        self._append_rows(keep, keep_t, units, tok0, lp0, self._slots(units, groups))
-
-    def _copy_cache(self, keep, G, units, groups) -> DynamicCache:
-        """A fresh own-token cache: the kept rows' last G own columns, then zeros for the new rows."""
-        Nk = len(keep)
-        runs = []  # runs of consecutive kept rows: slice copies, no index_select temporaries
-        for r in keep:
-            if runs and runs[-1][1] == r:
-                runs[-1][1] = r + 1
-            else:
-                runs.append([r, r + 1])
-        olds = [(layer.keys, layer.values) for layer in self.cache.layers] if Nk else groups[units[0].group].kv
-        cache = DynamicCache()
-        cache.layers = []
-        for li, old_kv in enumerate(olds):
-            pair = []
-            for old in old_kv:
-                _, H, _, D = old.shape
-                buf = old.new_empty(self.N, H, G + self.extra, D)  # columns past G are written before they are read
-                buf[Nk:, :, :G].zero_()  # the new rows' view columns: finite, masked
-                d = 0
-                for a, b in runs:
-                    buf[d : d + b - a, :, :G] = old[a:b, :, old.shape[2] - G :]
-                    d += b - a
-                pair.append(buf)
-            cache.layers.append(_OwnLayer(pair[0], pair[1], G, self.extra, self, li))
-        return cache
+        self._append_rows(keep, keep_t, units, tok0, lp0, self._admit(list(range(len(keep), self.N)), units, groups))
 
     def _append_rows(self, keep, keep_t, units, tok0, lp0, slots) -> None:
         """Per-row state: the kept rows' (selected when rows were dropped), then the new rows'."""
@@ -246,7 +153,7 @@ class Batch:
             for c in range(u.copies):
                 self.meta[slots[row + c]] = RowId(u.seq, u.boundary, u.first + c)
             row += u.copies
-        self.slot[idx], self.copy[idx], self.b[idx] = self._slots(units, groups)
+        self.slot[idx], self.copy[idx], self.b[idx] = self._admit(slots, units, groups)
         self.pos[idx], self.pending[idx], self.gen[idx], self.alive[idx], self.s[idx] = self.b[idx], tok0, 1, 1, 0
         self.limit[idx] = self._limits(units)
         self.tok[idx], self.lp[idx] = 0, 0.0
@@ -254,11 +161,10 @@ class Batch:
         return idx
 
     def retire(self, rows: list[int]) -> None:
-        """Mark finished rows and mask them out; give up their prefix slots; trim columns no running row uses."""
+        """Mark finished rows and mask them out; the layout frees what they held; trim columns no running row uses."""
         self.dead.extend(rows)
         r = torch.tensor(rows, device=self.dev)
-        self.prefixes.release(self.slot[r].tolist())
-        self.view = None
+        slots = self.slot[r].tolist()
         self.alive[r] = 0
         self.gen[r] = 0
         self.pos[r] = 0  # keeps a finished row's (ignored) positions inside the model's range
@@ -269,11 +175,7 @@ class Batch:
             self.start += trim
             self.L -= trim
             self.s.clamp_(max=self.L)  # a finished row's oldest own columns may fall out of the view
-        width = int(self.s.max())
-        if width < self.width:
-            for layer in self.cache.layers:
-                layer.shrink(width)
-            self.width = width
+        self.kv.retire(self, slots)
 
     def step(self, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Record every row's freshly sampled token (and log-prob); it is the next step's input."""
@@ -283,36 +185,10 @@ class Batch:
         self.gen += 1
         self.pos += 1
         self.s += 1
-        self.width += 1
         self.pending = tok
         self.L += 1
         if self.write + 1 > self.capacity:  # the replaced layout's buffer regrew here
             used = self.write - self.start
             self.start, self.write, self.capacity = 0, used, used + 1 + self.extra
         self.write += 1
-
-    # ------------------------------------------------------------------ what a decode step reads
-
-    def step_view(self) -> StepView:
-        """The prefix store's view for this step (recomputed only after rows changed)."""
-        if self.view is None:
-            self.view = self.prefixes.view(self.slot, self.copy)
-        return self.view
-
-    def attention_mask(self) -> torch.Tensor:
-        """The step's mask over each row's own columns (and, when the model attends to each row's prefix through
-        the cache, its prefix columns first), plus the column being written: [N, 1, 1, keys + 1] boolean when the
-        engine's attention reads it (transformers takes a 4-D mask as it is instead of building one every step),
-        else [N, keys + 1] for the model's own mask builder."""
-        G = self.width
-        own = torch.arange(G + 1, device=self.dev).unsqueeze(0) >= (G - self.s).unsqueeze(1)
-        if self.shared:
-            return own.view(self.N, 1, 1, G + 1)
-        prefix = torch.arange(self.step_view().width, device=self.dev).unsqueeze(0) < self.b.unsqueeze(1)
-        return torch.cat([prefix, own], dim=1).long()
-
-    def prefix_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's prefix keys and values of ``layer``, [N, H, P, D] (finished rows: slot 0's, masked)."""
-        P = self.step_view().width
-        pk, pv = self.prefixes.k[layer], self.prefixes.v[layer]
-        return pk.index_select(0, self.slot)[:, :, :P], pv.index_select(0, self.slot)[:, :, :P]
+        self.kv.step(self)

@@ -46,12 +46,11 @@ class Job:
         p, budget, device = req.params, engine.token_budget, engine.device
         vocab = engine.model.get_output_embeddings().weight.shape[0]
         self.plan = plan_job(req.bounds, req.k, budget, p.max_new_tokens, vocab)
-        cand = candidate_table(engine.tokenizer, p.stop, vocab, engine._cand_tables)
+        cand = candidate_table(engine.tokenizer, p.stop, vocab, engine.cand_tables)
         self.finisher = Finisher(engine.tokenizer, p.stop, torch.tensor(engine.eos_token_ids or [-1], device=device),
                                  None if cand is None else cand.to(device), self.out, req.progress)
-        self.batch = Batch(device, p.max_new_tokens, extra=min(p.max_new_tokens + 1, EXTRA_COLUMNS),
-                           budgets=req.budgets, p_max=max((b for bs in req.bounds for b in bs), default=1),
-                           shared=shared)
+        extra = min(p.max_new_tokens + 1, EXTRA_COLUMNS)
+        self.batch = Batch(device, p.max_new_tokens, extra, req.budgets, engine.layout(req, self.plan, extra, shared))
         self.groups: dict[int, Group] = {}  # prefilled groups whose units are not all admitted yet
         self.rounds = None
         if req.more is not None:  # adaptive: each finished sample may settle its prefix, or queue its next round

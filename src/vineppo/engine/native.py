@@ -45,24 +45,40 @@ import torch
 
 from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
                                 eos_token_ids)
-from vineppo.engine.attention import decoding, packed_decode
+from vineppo.engine.attention import packed_decode
 from vineppo.engine.batch import Batch, Group, layers_kv
 from vineppo.engine.job import Job, Request
+from vineppo.engine.plan import Plan
+from vineppo.engine.ring import RingKV, RingPool, planned_rows
+from vineppo.engine.split import SplitKV
 from vineppo.models import cache_keyword, pretrained
+
+DECODE = ("auto", "split", "ring", "graphs")  # how decode steps run (see Engine)
 
 class Engine:
     """The native rollout engine (see the module docstring); samples from ``model`` itself, so weights are never stale."""
 
     logprobs_are_the_policys = True  # Sample.logprobs: log_softmax(logits / T) of ``model``, what PPO's ratio needs
 
-    def __init__(self, model, tokenizer, token_budget: int = 65536):
+    def __init__(self, model, tokenizer, token_budget: int = 65536, decode: str = "auto"):
+        """``decode``: ``split`` (eager steps over the split layout, ``split.py``), ``graphs`` (CUDA graphs over the
+        ring layout, ``ring.py``; CUDA only), ``ring`` (the ring's steps run eagerly: the graphs' computation on
+        any device) or ``auto`` (graphs on CUDA, split elsewhere)."""
+        if decode not in DECODE:
+            raise ValueError(f"decode must be one of {', '.join(DECODE)}, got {decode!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.token_budget = int(token_budget)
-        self._cache_kw = cache_keyword(model)
+        self.cache_kw = cache_keyword(model)
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(pretrained(model).forward).parameters
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self._cand_tables: dict[tuple[tuple[str, ...], int], torch.Tensor] = {}
+        self.cand_tables: dict[tuple[tuple[str, ...], int], torch.Tensor] = {}  # stop-string candidates, memoised
+        if decode == "auto":
+            decode = "graphs" if self.device.type == "cuda" else "split"
+        if decode == "graphs" and self.device.type != "cuda":
+            raise ValueError("decode='graphs' needs a CUDA model; use 'ring' for the same steps run eagerly")
+        self.decode = decode
+        self.pool = RingPool(self.device, graphs=decode == "graphs") if decode != "split" else None
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +102,9 @@ class Engine:
                                  generator, progress, more))
 
     def sleep(self) -> None:
-        """Nothing to free: the engine holds no memory between jobs."""
+        """Free the ring's buffers and graphs unless they are small (the split layout holds nothing between jobs)."""
+        if self.pool is not None and not self.pool.small():
+            self.pool.release()
 
     def push_weights(self, model: torch.nn.Module) -> None:
         """Nothing to push: the engine samples from the model it was given, whose weights the update changes."""
@@ -98,6 +116,8 @@ class Engine:
         check_job(req.k, req.params)
         was_training = self.model.training
         self.model.eval()
+        if self.pool is not None:
+            self.pool.check_weights(self.model)
         try:
             with torch.inference_mode(), packed_decode(self.model) as shared:
                 return Job(self, req, shared).run()
@@ -105,19 +125,20 @@ class Engine:
             if was_training:
                 self.model.train()
 
-    # ------------------------------------------------------------------ the two model calls a Job makes
+    # ------------------------------------------------------------------ what a Job asks of its engine
+
+    def layout(self, req: Request, plan: Plan, extra: int, shared: bool) -> SplitKV | RingKV:
+        """The KV layout of a job's batch: split (eager) or the ring (static shapes, CUDA graphs)."""
+        p_max = max((b for bs in req.bounds for b in bs), default=1)
+        if self.pool is None:
+            return SplitKV(extra, p_max, shared)
+        copies = sum(u.copies for u in plan.queue) * (1 if req.more is None else 2)  # adaptive: the ring may grow
+        rows = planned_rows([u.length for u in plan.queue], copies, self.token_budget, req.params.max_new_tokens)
+        return RingKV(self.pool, rows, p_max + req.params.max_new_tokens)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """One decode step: every row's pending token through the model; the next-token logits [N, V]."""
-        N = batch.N
-        with decoding(batch) as step:
-            logits = self.model(input_ids=batch.pending.view(N, 1), attention_mask=batch.attention_mask(),
-                                position_ids=batch.pos.view(N, 1), use_cache=True,
-                                **{self._cache_kw: batch.cache}).logits[:, -1, :]
-        if batch.shared and step.calls == 0:
-            raise NotImplementedError(f"{type(self.model).__name__}'s attention does not go through transformers' "
-                                      "attention interface, so the engine cannot add the prefix keys it holds apart")
-        return logits
+        return batch.kv.forward(self, batch)
 
     def prefill(self, members: list[int], seqs: list[list[int]], bounds: list[list[int]]) -> Group:
         """One forward over each member sequence (up to its last boundary); logits only at boundaries."""
