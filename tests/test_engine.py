@@ -485,7 +485,8 @@ def recorded_workload(tok, decode: str = "split") -> dict:
     """Samples of a fixed-seed workload that goes through every path of the engine: sampling by full softmax, by
     top-p through the top-k and through the full sort, greedy; stop strings; several EOS ids; per-row budgets;
     rows refilled in place and batches rebuilt under a small token budget. Recorded in engine_expected.json from
-    the engine as it was before it became a package (a8de7a5); a change that alters any sample fails the test."""
+    the engine whose admission reads the batch's own rows (its longest running row and its finished places); a
+    change that alters any sample fails the test."""
     flat = lambda out: [[s.token_ids, s.finish_reason, [round(x, 4) for x in s.logprobs]] for s in out]  # noqa: E731
     llama, peaked = _make("llama", len(tok)), _make("llama", len(tok), seed=1)
     with torch.no_grad():
@@ -687,3 +688,55 @@ def test_token_budget_on_a_cpu_and_the_bytes_of_a_token(llama):
     assert auto_token_budget(llama)[0] == CPU_BUDGET == 65536
     assert kv_bytes_per_token(llama) == 2 * 2 * 2 * 16 * 4
     assert update_reserve(llama) == 12 * sum(p.numel() for p in llama.parameters())
+
+
+# ------------------------------------------------------------------ planning and admission, on their own
+
+
+def test_plan_groups_sequences_by_length_and_queues_units_shortest_first():
+    """Prefill groups hold rows x longest <= budget, sequences sorted by their last boundary; a unit's copies are
+    split so rows x (prefix + max_new) fit; the queue pops the shortest prefix of the first group first."""
+    from vineppo.engine.plan import plan_job, prefill_groups, split, Unit
+
+    bounds = [[30], [5, 9], [12], [], [20, 25]]
+    assert prefill_groups(bounds, budget=60, vocab=10) == [[1, 2], [4, 0]]  # 3 x 25 > 60: a new group
+    assert prefill_groups(bounds, budget=50, vocab=10) == [[1, 2], [4], [0]]  # 2 x 30 > 50
+    assert prefill_groups(bounds, budget=60, vocab=20000) == [[1], [2], [4], [0]]  # boundary logits bounded too
+    assert [u.copies for u in split(Unit(0, 0, 0, 0, 10, 0, 7), budget=60, max_new=10)] == [3, 3, 1]
+    plan = plan_job(bounds, k=2, budget=60, max_new=10, vocab=10)
+    order = [(u.seq, u.length, u.copies) for u in reversed(plan.queue)]
+    assert order == [(1, 5, 2), (1, 9, 2), (2, 12, 2), (4, 20, 2), (4, 25, 1), (4, 25, 1), (0, 30, 1), (0, 30, 1)]
+    assert plan.unadmitted == {0: 3, 1: 5} and not plan.can_free(0)
+
+
+def test_rounds_queue_more_samples_of_a_settled_prefix_and_free_its_group_at_the_end():
+    from vineppo.engine.plan import Rounds, plan_job
+
+    plan = plan_job([[4]], k=2, budget=100, max_new=5, vocab=10)
+    out = [[[None, None]]]
+    rounds = Rounds(plan, lambda i, j, drawn: 3 if len(drawn) == 2 else 0, 2, out, 100, 5)
+    plan.queue.pop()
+    plan.unadmitted[0] -= 1
+    assert rounds.finished(0, 0) is None  # one of two still running
+    assert rounds.finished(0, 0) is None and len(out[0][0]) == 5  # settled: 3 more queued on the same group
+    assert [(u.first, u.copies) for u in plan.queue] == [(2, 3)] and plan.unadmitted[0] == 1
+    plan.queue.pop()
+    plan.unadmitted[0] -= 1
+    assert [rounds.finished(0, 0) for _ in range(3)] == [None, None, 0]  # the last: its group's cache can go
+
+
+def test_admission_refills_in_place_grows_only_by_a_margin_and_sheds_finished_rows():
+    from vineppo.engine import schedule
+    from vineppo.engine.plan import Unit
+
+    batch = SimpleNamespace(N=0, L=0, dead=[])
+    queue = [Unit(0, 0, 0, 0, 10, 0, 2) for _ in range(5)]
+    assert len(schedule.admit(queue, batch, budget=100, max_new=10)) == 2  # rows x (10 + 10) <= 100: 4 rows
+    batch = SimpleNamespace(N=4, L=12, dead=[])
+    assert schedule.admit(queue, batch, budget=100, max_new=10) == []  # full: nothing finished, no room to grow
+    batch.dead = [1, 3]
+    admitted = schedule.admit(queue, batch, budget=100, max_new=10)
+    assert len(admitted) == 1 and schedule.fits_in_place(batch, admitted, 100, 10)  # two finished places refilled
+    assert not schedule.fits_in_place(batch, admitted * 2, 100, 10)  # more rows than finished places
+    assert not schedule.fits_in_place(SimpleNamespace(N=4, L=20, dead=[0, 1]), admitted, 100, 10)  # over the budget
+    assert schedule.should_shed(SimpleNamespace(N=4, dead=[0])) and not schedule.should_shed(SimpleNamespace(N=8, dead=[0]))

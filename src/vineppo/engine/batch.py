@@ -5,9 +5,8 @@ layout (``split.py``: own tokens per row, prefixes once per unit; eager decoding
 fixed buffers for CUDA graphs). A finished row stays in place, masked, until a new row takes its place
 (``fill``) or the batch is rebuilt without it (``rebuild``: kept rows first, then the new ones).
 
-Admission decisions (``schedule.py``) read ``L`` and ``n``: the longest row (prefix + own tokens) and the write
-column of a cache that held every row's prefix in its own row, the layout this one replaced. They are kept as
-counters so the same inputs, budget and seed still give the same batches, and so the same samples.
+Admission decisions (``schedule.py``) read ``N``, ``L`` (the longest running row, prefix + own tokens) and the
+finished places ``dead``.
 """
 
 from __future__ import annotations
@@ -66,12 +65,12 @@ _ROW_FIELDS = ("pos", "pending", "tok", "lp", "gen", "limit", "alive", "slot", "
 class Batch:
     """The running decode batch, one row per sample being generated (see the module docstring)."""
 
-    def __init__(self, dev, max_new: int, extra: int, budgets: list[list[int]], kv):
-        self.dev, self.max_new, self.extra = dev, max_new, extra  # extra: the replaced layout's spare columns
+    def __init__(self, dev, max_new: int, budgets: list[list[int]], kv):
+        self.dev, self.max_new = dev, max_new
         self.budgets = budgets  # budgets[i][j]: new tokens allowed to the rows continuing boundary j of sequence i
         self.kv = kv  # the KV layout: split.SplitKV or ring.RingKV
-        self.N = self.L = 0
-        self.start = self.write = self.capacity = 0  # the replaced layout's view start, write column and buffer size
+        self.N = 0  # rows, running or finished
+        self.L = 0  # the longest running row: prefix + own tokens
         self.meta: list[RowId] = []
         self.dead: list[int] = []  # finished rows still held, masked, until refilled or rebuilt away
         self.pos = self.pending = None  # [N] position and token of each row's next input
@@ -79,11 +78,6 @@ class Batch:
         self.gen = self.limit = self.alive = None  # [N] tokens generated, allowed, and 1 while the row runs
         self.slot = self.copy = None  # [N] the row's prefix slot (0 once finished) and its copy index (split layout)
         self.b = self.s = None  # [N] prefix tokens (0 once finished) and own tokens in the cache
-
-    @property
-    def n(self):
-        """The replaced layout's write column: a new prefix of b tokens could take a finished row's place if b <= n."""
-        return self.write if self.N else 0
 
     def _limits(self, units):
         """The new-token budget of every row of ``units``, in row order."""
@@ -110,7 +104,6 @@ class Batch:
                                                       for u in units for c in range(u.copies)]
         self.dead = []
         self.N, self.L = len(keep) + len(new_b), max([L_old] + new_b)
-        self.start, self.write, self.capacity = 0, self.L, self.L + self.extra
         self.kv.rebuild(self, keep, G, units, groups)
         if self.N == 0:
             for name in _ROW_FIELDS:
@@ -141,9 +134,7 @@ class Batch:
 
     def fill(self, units: list[Unit], groups: dict[int, Group], tok0, lp0) -> torch.Tensor:
         """Put the rows of ``units`` in place of finished rows (no other row is touched); return their indices."""
-        B = max(u.length for u in units)
-        if B > self.L:  # the replaced layout widened its view to the left here
-            self.start, self.L = self.write - B, B
+        self.L = max([self.L] + [u.length for u in units])
         M = sum(u.copies for u in units)
         slots = self.dead[:M]
         self.dead = self.dead[M:]
@@ -170,11 +161,7 @@ class Batch:
         self.pos[r] = 0  # keeps a finished row's (ignored) positions inside the model's range
         for t in (self.slot, self.copy, self.b, self.s):
             t[r] = 0  # it attends to its own new columns only, so it stays finite
-        trim = self.L - int(((self.b + self.s) * self.alive).max())
-        if 0 < trim < self.L:
-            self.start += trim
-            self.L -= trim
-            self.s.clamp_(max=self.L)  # a finished row's oldest own columns may fall out of the view
+        self.L = int(((self.b + self.s) * self.alive).max())
         self.kv.retire(self, slots)
 
     def step(self, tok: torch.Tensor, lp: torch.Tensor) -> None:
@@ -187,8 +174,4 @@ class Batch:
         self.s += 1
         self.pending = tok
         self.L += 1
-        if self.write + 1 > self.capacity:  # the replaced layout's buffer regrew here
-            used = self.write - self.start
-            self.start, self.write, self.capacity = 0, used, used + 1 + self.extra
-        self.write += 1
         self.kv.step(self)

@@ -17,9 +17,7 @@ from vineppo.engine.api import More, Progress, Sample, SamplingParams
 from vineppo.engine.batch import Batch, Group
 from vineppo.engine.plan import Rounds, Unit, plan_job
 from vineppo.engine.sampling import sample
-from vineppo.engine.stops import Finisher, candidate_table
-
-EXTRA_COLUMNS = 64  # a cache buffer has room for this many steps (at most max_new_tokens + 1) before it is regrown
+from vineppo.engine.stops import Finisher
 
 
 @dataclass
@@ -46,11 +44,10 @@ class Job:
         p, budget, device = req.params, engine.token_budget, engine.device
         vocab = engine.model.get_output_embeddings().weight.shape[0]
         self.plan = plan_job(req.bounds, req.k, budget, p.max_new_tokens, vocab)
-        cand = candidate_table(engine.tokenizer, p.stop, vocab, engine.cand_tables)
+        cand = engine.stop_candidates(p.stop, vocab)
         self.finisher = Finisher(engine.tokenizer, p.stop, torch.tensor(engine.eos_token_ids or [-1], device=device),
                                  None if cand is None else cand.to(device), self.out, req.progress)
-        extra = min(p.max_new_tokens + 1, EXTRA_COLUMNS)
-        self.batch = Batch(device, p.max_new_tokens, extra, req.budgets, engine.layout(req, self.plan, extra, shared))
+        self.batch = Batch(device, p.max_new_tokens, req.budgets, engine.layout(req, self.plan, shared))
         self.groups: dict[int, Group] = {}  # prefilled groups whose units are not all admitted yet
         self.rounds = None
         if req.more is not None:  # adaptive: each finished sample may settle its prefix, or queue its next round

@@ -9,17 +9,19 @@ HOW IT WORKS (one job per file)
    and its logits at position ``b - 1`` give the first-token distribution after boundary ``b``. Only those
    logits are materialised (``logits_to_keep`` with a tensor of positions).
 3. Admit (``schedule.py``). Units, shortest prefix first, join the running decode batch (``batch.py``) as soon
-   as rows finish (continuous batching). A unit's prefix keys/values are copied out of the group cache once,
-   into a slot of the prefix store (``prefixes.py``) that all its copies read; a row's own cache holds only
-   the tokens it generates, so admitting a row copies nothing else. New rows take finished rows' places in
-   place; the batch is rebuilt (each kept row's own tokens copied once) only to grow, to shed finished rows
-   no new row takes, or to stay within the budget as rows lengthen.
+   as rows finish (continuous batching). New rows take finished rows' places in place; the batch is rebuilt
+   (kept rows first) only to grow, to shed finished rows no new row takes, or to stay within the budget as rows
+   lengthen. Where the rows' keys/values live is the batch's KV layout:
+   - split (``split.py``; eager steps, the CPU's): a unit's prefix is copied out of the group cache once, into
+     a slot of the prefix store (``prefixes.py``) that all its copies read; a row's own cache holds only the
+     tokens it generates, written in place into a preallocated buffer;
+   - ring (``ring.py``; CUDA graphs, the GPU's): every row holds its prefix and tokens in fixed buffers, so a
+     step has the same shapes every time and is replayed as a CUDA graph (``graphs.py``).
 4. Decode (``Job.step`` in ``job.py``, which owns the job's queue, caches, batch and finisher). Each step feeds
-   one token per row through the model with a ``DynamicCache`` whose layers write new keys/values in place
-   into a preallocated buffer (the stock layer concatenates, copying the whole cache every step). The step's
-   attention (``attention.py``) reads each prefix in the store once for all its copies and each row's own
-   tokens in its view, and packs a key/value head's query heads into one attention over it. Finished rows
-   (EOS, stop string, length; ``stops.py``) are masked out at once.
+   one token per row through the model with a ``DynamicCache`` whose layers are the layout's. The step's
+   attention (``attention.py``) reads each prefix in the store once for all its copies (split) or each row's
+   buffer (ring), and packs a key/value head's query heads into one attention. Finished rows (EOS, stop
+   string, length; ``stops.py``) are masked out at once.
 5. Sample (``sampling.py``). Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p``
    of the mass (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
 
@@ -51,6 +53,7 @@ from vineppo.engine.job import Job, Request
 from vineppo.engine.plan import Plan
 from vineppo.engine.ring import RingKV, RingPool, planned_rows
 from vineppo.engine.split import SplitKV
+from vineppo.engine.stops import candidate_table
 from vineppo.models import cache_keyword, pretrained
 
 DECODE = ("auto", "split", "ring", "graphs")  # how decode steps run (see Engine)
@@ -72,7 +75,7 @@ class Engine:
         self.cache_kw = cache_keyword(model)
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(pretrained(model).forward).parameters
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.cand_tables: dict[tuple[tuple[str, ...], int], torch.Tensor] = {}  # stop-string candidates, memoised
+        self._cand_tables: dict[tuple[tuple[str, ...], int], torch.Tensor] = {}  # stop_candidates, memoised
         if decode == "auto":
             decode = "graphs" if self.device.type == "cuda" else "split"
         if decode == "graphs" and self.device.type != "cuda":
@@ -127,11 +130,11 @@ class Engine:
 
     # ------------------------------------------------------------------ what a Job asks of its engine
 
-    def layout(self, req: Request, plan: Plan, extra: int, shared: bool) -> SplitKV | RingKV:
+    def layout(self, req: Request, plan: Plan, shared: bool) -> SplitKV | RingKV:
         """The KV layout of a job's batch: split (eager) or the ring (static shapes, CUDA graphs)."""
         p_max = max((b for bs in req.bounds for b in bs), default=1)
         if self.pool is None:
-            return SplitKV(extra, p_max, shared)
+            return SplitKV(req.params.max_new_tokens, p_max, shared)
         copies = sum(u.copies for u in plan.queue) * (1 if req.more is None else 2)  # adaptive: the ring may grow
         rows = planned_rows([u.length for u in plan.queue], copies, self.token_budget, req.params.max_new_tokens)
         return RingKV(self.pool, rows, p_max + req.params.max_new_tokens)
@@ -139,6 +142,10 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor:
         """One decode step: every row's pending token through the model; the next-token logits [N, V]."""
         return batch.kv.forward(self, batch)
+
+    def stop_candidates(self, stop: tuple[str, ...], vocab: int) -> torch.Tensor | None:
+        """int8 [V]: 1 where a token could complete a stop string (``stops.candidate_table``, memoised per engine)."""
+        return candidate_table(self.tokenizer, stop, vocab, self._cand_tables)
 
     def prefill(self, members: list[int], seqs: list[list[int]], bounds: list[list[int]]) -> Group:
         """One forward over each member sequence (up to its last boundary); logits only at boundaries."""

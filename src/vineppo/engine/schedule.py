@@ -45,10 +45,9 @@ def admit(queue: list[Unit], batch: Batch, budget: int, max_new: int) -> list[Un
 
 
 def fits_in_place(batch: Batch, units: list[Unit], budget: int, max_new: int) -> bool:
-    """True when ``units`` can take finished rows' places: enough of them, prefixes left of the write column, budget."""
+    """True when ``units`` can take finished rows' places: enough of them, and the batch stays within the budget."""
     longest = max(u.length for u in units)
-    return (sum(u.copies for u in units) <= len(batch.dead) and longest <= batch.n
-            and batch.N * (max(batch.L, longest) + max_new) <= budget)
+    return sum(u.copies for u in units) <= len(batch.dead) and batch.N * (max(batch.L, longest) + max_new) <= budget
 
 
 def should_shed(batch: Batch) -> bool:

@@ -20,6 +20,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from vineppo.engine.attention import decoding
 from vineppo.engine.prefixes import Prefixes, StepView
 
+EXTRA_COLUMNS = 64  # an own-token buffer has room for this many steps (at most max_new_tokens + 1) before it is regrown
+
 
 class OwnLayer(DynamicLayer):
     """One layer's own-token cache of the batch: keys/values [N, H, capacity, D], the view the last ``width`` columns
@@ -72,8 +74,8 @@ class OwnLayer(DynamicLayer):
 class SplitKV:
     """The batch's caches in the split layout (see the module docstring); ``Batch`` calls it as rows change."""
 
-    def __init__(self, extra: int, p_max: int, shared: bool):
-        self.extra = extra  # own-cache columns a buffer holds past the view before it is regrown
+    def __init__(self, max_new: int, p_max: int, shared: bool):
+        self.extra = min(max_new + 1, EXTRA_COLUMNS)  # own-cache columns a buffer holds past the view before regrowing
         self.shared = shared  # the engine's decode attention reads the prefix store (else each layer hands it out)
         self.prefixes = Prefixes(p_max)
         self.cache: DynamicCache | None = None  # of OwnLayer
