@@ -47,8 +47,6 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer
 
-import shapes
-from shapes import NullTokenizer as _NullTok  # breakdown.py and engine_ab.py import it from here
 from vineppo.config import ENGINES
 from vineppo.engine import Engine, SamplingParams, make_engine
 from vineppo.engine.native import DECODE
@@ -130,6 +128,16 @@ def model_setup(path, seed=0, n_prompts=N_PROMPTS, max_new=256):
         seqs.append(p + s.token_ids)
         bounds.append(b)
     return model, tok, seqs, bounds, params, 0
+
+
+class _NullTok:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+    def batch_decode(self, ids, skip_special_tokens=False):
+        return ["" for _ in ids]
 
 
 def run_vllm(eng, seqs, bounds, params, seed=0):
@@ -267,7 +275,7 @@ def _arguments(argv):
     ap.add_argument("--repeats", type=int, default=3, help="engine and limit runs (alternating; medians reported)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (default: the machine's cores; use fewer when others share the machine)")
-    ap.add_argument("--shape", choices=sorted(shapes.SHAPES), help="random weights of this shape (see shapes.py)")
+    ap.add_argument("--shape", help="random weights of a named shape: qwen2.5-0.5b, qwen2.5-1.5b, tiny (shapes.py)")
     ap.add_argument("--device", default="cpu", help="with --shape: cpu or cuda")
     ap.add_argument("--decode", default="auto", choices=DECODE, help="with --shape: the engine's decode path")
     ap.add_argument("--token-budget", type=int, default=0, help="with --shape: the engine's budget (0: auto)")
@@ -293,6 +301,10 @@ def main(argv=None):
     args = _arguments(argv)
     threads = _threads(args.threads)
     if args.shape:
+        # imported here: engine_ab.py runs this file's workload against older revisions of the package, which lack
+        # the engine modules shapes.py uses
+        import shapes
+
         res = shapes.rollout_report(args.shape, torch.device(args.device), args.decode, args.repeats, args.token_budget,
                                     args.profile_tokens, args.scale)
         if args.json:

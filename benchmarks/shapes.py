@@ -32,6 +32,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from rollouts import _NullTok
 from vineppo import config as configs
 from vineppo import ppo
 from vineppo.engine import Engine, SamplingParams
@@ -52,6 +53,8 @@ DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense, SXM parts
 
 def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausalLM:
     """A Qwen2 model of ``shape`` with random weights (seed 0), built on ``device``, in eval mode."""
+    if shape not in SHAPES:
+        raise SystemExit(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
                       pad_token_id=None)
     cfg._attn_implementation = "sdpa"
@@ -59,18 +62,6 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Qwen2F
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
     return model.to(dtype).eval()
-
-
-class NullTokenizer:
-    """What the engine asks of a tokenizer, for token ids that mean nothing."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-    def batch_decode(self, ids, skip_special_tokens=False):
-        return ["" for _ in ids]
 
 
 @dataclasses.dataclass
@@ -154,7 +145,7 @@ def rollout_report(shape: str, device: torch.device, decode: str, repeats: int, 
     """Tokens/s of the engine on both workloads, the budget it used, captures, and (CUDA) the GPU's busy share."""
     model = random_model(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     budget, line = (token_budget, f"token budget {token_budget:,} (given)") if token_budget else auto_token_budget(model)
-    engine = Engine(model, NullTokenizer(), token_budget=budget, decode=decode)
+    engine = Engine(model, _NullTok(), token_budget=budget, decode=decode)
     res = dict(shape=shape, device=device_name(device), decode=engine.decode, token_budget=budget, budget_line=line,
                kv_bytes_per_token=kv_bytes_per_token(model), versions=versions())
     for w in workloads(model.config.vocab_size, scale):
