@@ -49,7 +49,6 @@ from transformers.cache_utils import DynamicLayer
 
 from vineppo.config import ENGINES
 from vineppo.engine import Engine, SamplingParams, make_engine
-from vineppo.engine.native import DECODE
 from vineppo.models import seeded_generator
 
 K = 9
@@ -277,7 +276,7 @@ def _arguments(argv):
                     help="torch threads (default: the machine's cores; use fewer when others share the machine)")
     ap.add_argument("--shape", help="random weights of a named shape: qwen2.5-0.5b, qwen2.5-1.5b, tiny (shapes.py)")
     ap.add_argument("--device", default="cpu", help="with --shape: cpu or cuda")
-    ap.add_argument("--decode", default="auto", choices=DECODE, help="with --shape: the engine's decode path")
+    ap.add_argument("--decode", default="auto", help="with --shape: the engine's decode path, auto|split|ring|graphs")
     ap.add_argument("--token-budget", type=int, default=0, help="with --shape: the engine's budget (0: auto)")
     ap.add_argument("--profile-tokens", type=int, default=64, help="with --shape on CUDA: new tokens of the profiled job")
     ap.add_argument("--scale", type=float, default=1.0, help="with --shape: workload size (< 1: a smoke run)")
