@@ -55,6 +55,7 @@ SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_a
             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
 CONFIGS = {  # name -> (TrainConfig fields, ranks)
     "default": ({}, 1),
+    "kl0": ({"kl_coef": 0.0}, 1),  # no KL penalty: no reference model is built
     "bf16": ({"dtype": "bfloat16"}, 1),
     "checkpointing": ({"gradient_checkpointing": True}, 1),
     "lora16": ({"lora_r": 16, "lora_alpha": 32.0}, 1),

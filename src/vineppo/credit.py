@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from vineppo import distributed as dist
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward
@@ -62,6 +63,7 @@ class CreditContext:
     mc_states: str = "all"  # which step starts are states (`state_offsets`)
     gamma: float = 1.0
     gae_lambda: float = 1.0  # GAE lambda for critic-based estimators
+    scale_rewards: str = "group"  # GRPO: what divides the group-centred reward (REWARD_SCALES)
     progress: Callable[[int], None] | None = None
 
 
@@ -99,14 +101,32 @@ def groups(episodes: list[Episode]) -> dict[int, list[int]]:
     return out
 
 
+# --scale-rewards: what divides GRPO's group-centred reward, from (the group's rewards, the batch's reward std).
+RewardScale = Callable[[torch.Tensor, float], torch.Tensor | float]
+REWARD_SCALES: dict[str, RewardScale] = {
+    "group": lambda r, batch_std: (r.std() if len(r) > 1 else torch.tensor(0.0)) + 1e-6,  # the group's std
+    "batch": lambda r, batch_std: batch_std + 1e-6,  # the std of every reward of the batch (PPO-Lite; TRL "batch")
+    "none": lambda r, batch_std: 1.0,  # Dr. GRPO: the centred reward as it is
+}
+
+
+def reward_std(episodes: list[Episode]) -> float:
+    """The sample standard deviation of the rewards of every episode over all ranks (0 for fewer than two)."""
+    n, s, ss = dist.all_sum([float(len(episodes)), sum(ep.reward for ep in episodes),
+                             sum(ep.reward ** 2 for ep in episodes)])
+    return math.sqrt(max(ss - s * s / n, 0.0) / (n - 1)) if n > 1 else 0.0
+
+
 @register("grpo")
 def grpo(episodes: list[Episode], ctx: CreditContext) -> Credit:
-    """GRPO: (r - mean of its group) / std of its group, the same for every token of a response."""
+    """GRPO: (r - mean of its group) / the scale `ctx.scale_rewards` names (its group's std by default), the same
+    for every token of a response."""
+    scale = REWARD_SCALES[ctx.scale_rewards]
+    batch_std = reward_std(episodes)
     scores = [0.0] * len(episodes)
     for members in groups(episodes).values():
         r = torch.tensor([episodes[i].reward for i in members])
-        std = r.std() if len(members) > 1 else torch.tensor(0.0)
-        for i, a in zip(members, (r - r.mean()) / (std + 1e-6)):
+        for i, a in zip(members, (r - r.mean()) / scale(r, batch_std)):
             scores[i] = float(a)
     return Credit(_per_response(episodes, scores))
 

@@ -29,6 +29,7 @@ class Net:
     module: nn.Module  # as updates run it (parallel.wrap)
     optimizer: torch.optim.Optimizer
     loss: Loss  # (this rank's items, the minibatch's weight over ranks) -> (loss divided by it, statistics to sum)
+    weights: list[float] | None = None  # this net's item weights (None: the driver's), e.g. tokens for a critic
 
 
 @dataclass(kw_only=True)
@@ -53,14 +54,15 @@ def drive(nets: list[Net], schedule: Schedule, ids: list[int], weights: list[flo
         order = [everyone[k] for k in torch.randperm(len(everyone), generator=schedule.generator).tolist()]
         for start in range(0, len(order), schedule.minibatch):
             mb = [local[g] for g in order[start:start + schedule.minibatch] if g in local]
-            total = dist.all_sum([sum(weights[i] for i in mb)])[0]
+            own = [weights if net.weights is None else net.weights for net in nets]
+            denominators = dist.all_sum([sum(w[i] for i in mb) for w in own])
             for net in nets:
                 net.optimizer.zero_grad(set_to_none=True)
             micro = schedule.split(mb)
             for k, idx in enumerate(micro):
-                for net in nets:
+                for net, denominator in zip(nets, denominators):
                     with parallel.no_sync(net.module, sync=k == len(micro) - 1):  # DDP: all-reduce on the last
-                        loss, stats = net.loss(idx, total)
+                        loss, stats = net.loss(idx, denominator)
                         loss.backward()
                     for key, v in stats.items():
                         totals[key] = totals.get(key, 0.0) + v

@@ -1,10 +1,14 @@
-"""The PPO update shared by every algorithm: clipped policy loss, k3 KL to the reference, optional critic."""
+"""The PPO update shared by every algorithm: clipped policy loss, a KL penalty to the reference, optional critic.
+
+Two small registries shape the policy loss: LOSS_AGGS (how a minibatch's per-token losses are averaged,
+`--loss-agg`) and KL_ESTIMATORS (the per-token estimate of the KL to the reference, `--kl-estimator`)."""
 
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -217,17 +221,85 @@ def _shared_prompt_pass(model: nn.Module, batch: Packed, **kwargs) -> tuple[torc
     return attention, head, body_kw
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip: float, kl_coef: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate plus kl_coef * k3(ref || policy), summed over masked tokens and divided by n_tokens."""
+# ------------------------------------------------------------------------------------ the policy loss
+
+# A KL estimator: per-token estimate of KL(policy || reference) from d = ref_logp - logp on the policy's samples
+# (Schulman, "Approximating KL divergence", 2020). k1 is unbiased but can be negative, k2 and k3 are not negative.
+KLEstimator = Callable[[torch.Tensor], torch.Tensor]
+KL_ESTIMATORS: dict[str, KLEstimator] = {
+    "k1": lambda d: -d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: torch.exp(d) - d - 1,
+}
+
+# A loss aggregation: (a response's length, max_new_tokens) -> (its weight in its minibatch's denominator, the
+# weight of each of its tokens). The minibatch's loss is sum(token weight * token loss) / sum(episode weights), so
+# token-mean is the mean over the minibatch's tokens and the two seq-mean modes are means over its responses.
+LossAgg = Callable[[int, int], tuple[float, float]]
+
+
+def token_mean(length: int, max_new_tokens: int) -> tuple[float, float]:
+    """Every token of the minibatch weighs alike (DAPO; TRL's default `dapo`): long responses weigh more."""
+    return float(length), 1.0
+
+
+def seq_mean_token_mean(length: int, max_new_tokens: int) -> tuple[float, float]:
+    """Each response's mean token loss, averaged over responses (GRPO's original): a token of a short response
+    weighs more than one of a long response."""
+    return 1.0, 1.0 / max(length, 1)
+
+
+def seq_mean_token_sum_norm(length: int, max_new_tokens: int) -> tuple[float, float]:
+    """Each response's summed token loss over the constant max_new_tokens, averaged over responses (Dr. GRPO):
+    every token weighs alike, whatever the minibatch's length."""
+    return 1.0, 1.0 / max_new_tokens
+
+
+LOSS_AGGS: dict[str, LossAgg] = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean,
+                                 "seq-mean-token-sum-norm": seq_mean_token_sum_norm}
+
+
+@dataclass
+class Surrogate:
+    """The policy loss's settings: the ratio clip [1 - clip, 1 + clip_high], the KL penalty's weight and estimator."""
+
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    clip_high: float | None = None  # None: clip
+    kl_estimator: str = "k3"
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
+                weights: torch.Tensor, terms: Surrogate) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate plus kl_coef * KL estimate to the reference (none without `ref_logp`), summed over the
+    tokens with their `weights` (the response mask times the loss aggregation's token weights): the caller divides
+    by the minibatch's denominator. Statistics are counts over the tokens of nonzero weight."""
+    high = terms.clip if terms.clip_high is None else terms.clip_high
     ratio = torch.exp(logp - old_logp)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
-    d = ref_logp - logp
-    kl = torch.exp(d) - d - 1
-    loss = ((-surrogate + kl_coef * kl) * mask).sum() / n_tokens
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - terms.clip, 1 + high) * advantages)
+    per_token = -surrogate
+    if ref_logp is not None:
+        kl = KL_ESTIMATORS[terms.kl_estimator](ref_logp - logp)
+        per_token = per_token + terms.kl_coef * kl
+    loss = (per_token * weights).sum()
     with torch.no_grad():
-        stats = {"kl": float((kl * mask).sum()), "clipped": float((((ratio - 1).abs() > clip).float() * mask).sum())}
+        live, up = (weights != 0).float(), ratio - 1
+        above = ((up > high).float() * live).sum()
+        stats = {"clipped": float(((-up > terms.clip).float() * live).sum() + above), "clipped_high": float(above)}
+        if ref_logp is not None:
+            stats["kl"] = float((kl * live).sum())
     return loss, stats
+
+
+def loss_weights(data: "Rollouts", loss_agg: str, max_new_tokens: int,
+                 mask_truncated: bool) -> tuple[list[float], list[float]]:
+    """Per episode: its weight in its minibatch's loss denominator and the weight of each of its tokens
+    (`--loss-agg`); with `mask_truncated`, truncated episodes weigh 0 in both (left out of the loss)."""
+    agg = LOSS_AGGS[loss_agg]
+    truncated = data.truncated or [False] * len(data.responses)
+    pairs = [(0.0, 0.0) if mask_truncated and cut else agg(len(r), max_new_tokens)
+             for r, cut in zip(data.responses, truncated)]
+    return [w for w, _ in pairs], [t for _, t in pairs]
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -308,6 +380,15 @@ class UpdateConfig:
     value_clip: float
     dtype: str = "float32"  # float32 | bfloat16 (autocast; see vineppo.parallel)
     micro_batch_tokens: int = 0  # > 0: micro-batches cut by padded tokens instead of `micro_batch` episodes
+    clip_high: float | None = None  # upper ratio clip (None: clip)
+    kl_estimator: str = "k3"  # KL_ESTIMATORS
+    loss_agg: str = "token-mean"  # LOSS_AGGS
+    max_new_tokens: int = 1024  # the length cap: Dr. GRPO's constant normaliser
+    mask_truncated: bool = False  # truncated episodes are left out of the loss
+
+    def surrogate(self) -> Surrogate:
+        """The policy loss's settings."""
+        return Surrogate(self.clip, self.kl_coef, self.clip_high, self.kl_estimator)
 
 
 @dataclass
@@ -322,6 +403,7 @@ class Rollouts:
     old_values: list[torch.Tensor] | None = None  # the critic's values when the episodes were scored (PPO)
     old_logprobs: list[torch.Tensor] | None = None  # the sampler's log-probs of the responses (None: recomputed)
     ids: list[int] | None = None  # the episodes' global indices 0..N-1 over all ranks (None: this rank holds all)
+    truncated: list[bool] | None = None  # cut at the length cap (None: none); --mask-truncated leaves them out
 
 
 @dataclass
@@ -329,7 +411,7 @@ class Learner:
     """What an update trains: the policy and its optimiser, the frozen KL reference, an optional critic."""
 
     policy: nn.Module
-    reference: nn.Module
+    reference: nn.Module | None  # None: no KL term (a run at --kl-coef 0 builds no reference)
     optimizer: torch.optim.Optimizer
     critic: Critic | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
@@ -347,9 +429,14 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
     prompts, responses, advantages, returns = data.prompts, data.responses, data.advantages, data.returns
     device = next(policy.parameters()).device
     share = can_share(policy)
-    old_logp, ref_logp = _before_update(nets, data, cfg, device, share and can_share(nets.reference))
+    old_logp, ref_logp = _before_update(nets, data, cfg, device, share and (nets.reference is None or
+                                                                           can_share(nets.reference)))
     totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0, "value_loss": 0.0,
-              "grad_norm": 0.0, "steps": 0.0, "logprob_gap": 0.0}
+              "grad_norm": 0.0, "steps": 0.0, "logprob_gap": 0.0, "clipped_high": 0.0, "loss_weight": 0.0}
+    if nets.reference is None:
+        del totals["kl"]
+    weights, token_w = loss_weights(data, cfg.loss_agg, cfg.max_new_tokens, cfg.mask_truncated)
+    terms = cfg.surrogate()
     packed: dict[str, Packed] = {}  # the micro-batch the policy's loss packed, which the critic's loss reuses
 
     def policy_step(idx: list[int], n_tok: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -357,13 +444,15 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
                  [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share).to(device)
         packed["batch"] = b
         old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
-        ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device)
+        ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device) if ref_logp is not None else None
         with parallel.autocast(device, cfg.dtype):
             logp, entropy = token_logprobs(policy, b, cfg.temperature)
-        loss, stats = policy_loss(logp, old, ref, b.advantages, b.mask, cfg.clip, cfg.kl_coef, n_tok)
+        w = b.mask * torch.tensor([token_w[i] for i in idx] or [0.0], device=device)[:, None]
+        summed, stats = policy_loss(logp, old, ref, b.advantages, w, terms)
+        loss = summed / max(n_tok, 1.0)  # 0 / 1 when --mask-truncated left every episode of the minibatch out
         if data.old_logprobs is not None and totals["steps"] == 0 and b.mask.any():  # still the sampler's weights
             totals["logprob_gap"] = max(totals["logprob_gap"], float(((logp.detach() - old).abs() * b.mask).max()))
-        return loss, {"loss": float(loss.detach()) * n_tok, "kl": stats["kl"], "clipped": stats["clipped"],
+        return loss, {"loss": float(loss.detach()) * n_tok, **stats, "loss_weight": sum(weights[i] for i in idx),
                       "entropy": float((entropy.detach() * b.mask).sum()), "tokens": float(b.mask.sum())}
 
     def critic_step(idx: list[int], n_tok: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -375,21 +464,24 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
         return loss, {"value_loss": float(loss.detach()) * n_tok}
 
     steps = [Net(policy, nets.optimizer, policy_step)]
-    if critic is not None:
-        steps.append(Net(critic, nets.critic_optimizer, critic_step))
+    if critic is not None:  # the value loss is a mean over the minibatch's tokens, whatever --loss-agg
+        steps.append(Net(critic, nets.critic_optimizer, critic_step, [float(len(r)) for r in responses]))
     # Minibatches are drawn over the global episode ids, so their make-up does not depend on the rank count.
     ids = list(range(len(prompts))) if data.ids is None else data.ids
     schedule = Schedule(epochs=cfg.epochs, minibatch=cfg.minibatch, grad_clip=cfg.grad_clip, generator=generator,
                         split=lambda mb: micro_batches(mb, prompts, cfg.micro_batch, responses, cfg.micro_batch_tokens))
-    return drive(steps, schedule, ids, [float(len(r)) for r in responses], totals)
+    return drive(steps, schedule, ids, weights, totals)
 
 
 def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: torch.device,
-                   share: bool) -> tuple[dict, dict]:
-    """Per-episode log-probs under the policy before the update (unless the sampler gave them) and the reference."""
+                   share: bool) -> tuple[dict, dict | None]:
+    """Per-episode log-probs under the policy before the update (unless the sampler gave them) and the reference
+    (None without one)."""
     given = data.old_logprobs is not None
     old_logp = {i: lp.to(device) for i, lp in enumerate(data.old_logprobs)} if given else {}
-    ref_logp = {}
+    ref_logp = {} if nets.reference is not None else None
+    if given and ref_logp is None:
+        return old_logp, None
     with torch.no_grad(), parallel.autocast(device, cfg.dtype):
         for idx in micro_batches(list(range(len(data.prompts))), data.prompts, cfg.micro_batch, data.responses,
                                  cfg.micro_batch_tokens):
@@ -398,8 +490,9 @@ def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: tor
             if not given:
                 old, _ = token_logprobs(nets.policy, b, cfg.temperature)
                 old_logp.update((i, old[j]) for j, i in enumerate(idx))
-            ref, _ = token_logprobs(nets.reference, b, cfg.temperature)
-            ref_logp.update((i, ref[j]) for j, i in enumerate(idx))
+            if ref_logp is not None:
+                ref, _ = token_logprobs(nets.reference, b, cfg.temperature)
+                ref_logp.update((i, ref[j]) for j, i in enumerate(idx))
     return old_logp, ref_logp
 
 

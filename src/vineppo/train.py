@@ -23,7 +23,7 @@ import torch
 from vineppo import config as configs
 from vineppo import distributed as dist
 from vineppo import lora, parallel, runs
-from vineppo.algorithms import Context, get_algorithm
+from vineppo.algorithms import Context, get_algorithm, needs_reference
 from vineppo.config import TrainConfig, check_engine
 from vineppo.credit import Episode, groups
 from vineppo.engine import Engine, SamplingParams, make_engine
@@ -356,7 +356,7 @@ class Models:
     trained: runs.Trained  # policy (as the engine samples from it), critic, their optimisers
     policy: torch.nn.Module  # the policy as the update runs it (a DDP wrapper, or trained.policy itself), ctx.policy
     critic: torch.nn.Module | None  # the critic as the update runs it, ctx.critic
-    reference: Any  # the frozen SFT model (LoRA: the policy with its adapters off)
+    reference: Any  # the frozen SFT model (LoRA: the policy with its adapters off); None if unused (needs_reference)
 
 
 def policy_dtype(cfg: TrainConfig) -> str | None:
@@ -370,11 +370,12 @@ def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device
     for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
         if net is not None:
             disable_dropout(net)
+    reference = None  # none is built when the run does not use it (--kl-coef 0 in the PPO family)
     if cfg.lora_r:
         torch.manual_seed(cfg.seed)  # the adapters' initialisation
         policy = lora.add_adapters(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)
-        reference = lora.AdaptersOff(policy)
-    else:  # a copy, not a second load; frozen weights are held in bf16 under --dtype bfloat16
+        reference = lora.AdaptersOff(policy) if needs_reference(cfg) else None
+    elif needs_reference(cfg):  # a copy, not a second load; frozen weights are held in bf16 under --dtype bfloat16
         reference = copy.deepcopy(policy).requires_grad_(False).to(parallel.DTYPES[cfg.dtype] or policy.dtype)
         reference = parallel.wrap(reference, device, cfg.fsdp)
     trainee = parallel.wrap(policy, device, cfg.fsdp, cfg.gradient_checkpointing)  # shards `policy` in place
