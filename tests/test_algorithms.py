@@ -45,11 +45,14 @@ def _ep(reward, group=0, prompt=(1, 2), response=(10, 11)):
 # ------------------------------------------------------------------------------------ the registry
 
 
-def test_every_algorithm_is_registered_and_has_its_settings():
-    assert set(algorithms.ALGORITHMS) == set(configs.ALGOS)
-    for name in configs.ALGOS:
-        assert algorithms.get_algorithm(configs.resolve({}, {"algo": name})) is algorithms.ALGORITHMS[name]
-    family = {algorithms.ALGORITHMS[a] for a in ("vineppo", "ppo", "grpo", "rloo")}
+def test_every_algorithm_names_a_registered_update_and_has_its_settings():
+    assert {spec.update for spec in configs.ALGOS.values()} == set(algorithms.UPDATES)
+    for name, spec in configs.ALGOS.items():
+        cfg = configs.resolve({}, {"algo": name})
+        assert algorithms.get_algorithm(cfg) is algorithms.UPDATES[spec.update]
+        assert all(getattr(cfg, k) == v for k, v in spec.settings.items()) and spec.about
+    family = {algorithms.get_algorithm(configs.resolve({}, {"algo": a})) for a in ("vineppo", "ppo", "grpo", "rloo",
+                                                                                   "grpo-trl", "dr-grpo")}
     assert family == {algorithms.ppo_family}  # one function: credit estimator, then the PPO update
 
 

@@ -55,7 +55,7 @@ def _sample(ids, reason="stop"):
 
 
 def _vine_ctx(engine, **kw):
-    return CreditContext(engine=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
+    return CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
                          params=PARAMS, **kw)
 
 
@@ -127,7 +127,7 @@ def test_mc_continuations_get_only_the_remaining_budget():
     # few for the 4-token right answer, so that state is worth 0 (a continuation with 12 fresh tokens would win).
     ep = _ep(1.0, n_tokens=10, steps=[(0, 4), (4, 9), (9, 10)])
     engine = BudgetEngine()
-    ctx = CreditContext(engine=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
+    ctx = CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
                         params=SamplingParams(max_new_tokens=12), mc_k=2)
     adv = get_estimator("vine")([ep], ctx).advantages[0]
     # V = [1, 1, 0]: A = [0, -1, 1]
@@ -245,7 +245,7 @@ def test_step_join_with_sentencepiece_tokenizer():
     reward = grade_gsm8k(text, "1000")  # "1 000" is no number the grader reads: 0
     # A step boundary between "▁1" and "▁000": decode(prefix) + continuation text would read "#### 1000" (right).
     ep = Episode(prompt, response, text, reward, 0, "1000", steps=[(0, 4), (4, 6)])
-    ctx = CreditContext(engine=ReplayEngine(tok), tokenizer=tok, grade=grade_gsm8k, params=PARAMS, mc_k=2)
+    ctx = CreditContext(rollouts=ReplayEngine(tok), tokenizer=tok, grade=grade_gsm8k, params=PARAMS, mc_k=2)
     credit = get_estimator("vine")([ep], ctx)
     assert credit.advantages[0].tolist() == [0.0] * len(response)  # every state replays the response: V = its reward
     node = Node(prompt + response, len(prompt) + 4, len(prompt), "1000")

@@ -1,13 +1,14 @@
-"""Algorithms: what one iteration does with its graded samples, each a small function registered by name.
+"""Algorithms' updates: what one iteration does with its graded samples, each a small function registered by name.
 
     @register("name")
-    def algorithm(episodes: list[Episode], ctx: Context) -> dict[str, float]
+    def update(episodes: list[Episode], ctx: Context) -> dict[str, float]
 
-The trainer samples and grades the iteration's responses, calls the algorithm named by `--algo`, and
-logs the statistics it returns (already reduced over ranks). The PPO family (VinePPO, PPO, GRPO, RLOO,
-and GRPO as TRL runs it and as Dr. GRPO does) is one function: its credit estimator (vineppo.credit), then
-the PPO update. RestEM and DPO+ are the paper's two other baselines. Adding an algorithm is one registered
-function here plus its default settings in `config.ALGOS`; the trainer never branches on it.
+The trainer samples and grades the iteration's responses, calls the update of the algorithm `--algo` names
+(`config.ALGOS[algo].update`), and logs the statistics it returns (already reduced over ranks). The PPO family
+(VinePPO, PPO, GRPO, RLOO, and GRPO as TRL runs it and as Dr. GRPO does) is one update, `ppo`: its credit
+estimator (vineppo.credit), then the PPO update. RestEM and DPO+ are the paper's two other baselines. A variant
+of an existing update is one `config.ALGOS` entry; a new update is one registered function here and its entry
+there. The trainer never branches on either.
 """
 
 from __future__ import annotations
@@ -55,34 +56,34 @@ class Context:
     sampling: Callable[[], AbstractContextManager] = nullcontext  # around the engine: whole weights, the run's dtype
 
 
-Algorithm = Callable[[list[Episode], Context], dict[str, float]]
-ALGORITHMS: dict[str, Algorithm] = {}
+Update = Callable[[list[Episode], Context], dict[str, float]]
+UPDATES: dict[str, Update] = {}
 
 
-def register(*names: str) -> Callable[[Algorithm], Algorithm]:
-    """Decorator: add an algorithm to the registry under each of `names`."""
+def register(name: str) -> Callable[[Update], Update]:
+    """Decorator: add an update to the registry under `name` (what `config.Algo.update` names)."""
 
-    def add(fn: Algorithm) -> Algorithm:
-        for name in names:
-            ALGORITHMS[name] = fn
+    def add(fn: Update) -> Update:
+        UPDATES[name] = fn
         return fn
 
     return add
 
 
-def get_algorithm(cfg: TrainConfig) -> Algorithm:
-    """The algorithm `cfg.algo` names, its estimator checked too (so a bad name fails before any model loads)."""
-    if cfg.algo not in ALGORITHMS:
-        raise UserError(f"unknown algorithm {cfg.algo!r}; known: {', '.join(sorted(ALGORITHMS))}")
+def get_algorithm(cfg: TrainConfig) -> Update:
+    """The update of the algorithm `cfg.algo` names, its estimator checked too (a bad name fails before any model
+    loads)."""
+    if cfg.algo not in configs.ALGOS:
+        raise UserError(f"unknown algorithm {cfg.algo!r}; known: {', '.join(configs.ALGOS)}")
     if cfg.estimator != "none":  # "none": the algorithm assigns no per-token credit
         get_estimator(cfg.estimator)
-    return ALGORITHMS[cfg.algo]
+    return UPDATES[configs.ALGOS[cfg.algo].update]
 
 
 # ------------------------------------------------------------------------------------ the PPO family
 
 
-@register("vineppo", "ppo", "grpo", "rloo", "grpo-trl", "dr-grpo")
+@register("ppo")
 def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     """Per-token advantages from the configured credit estimator, then the PPO update (the same for all of them)."""
     cfg = ctx.cfg
@@ -90,7 +91,7 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     ctx.status("credit assignment")
     mc_engine = BalancedContinuations(ctx.engine)
     critic = parallel.unwrap(ctx.critic) if ctx.critic is not None else None
-    credit_ctx = configs.section(CreditContext, cfg, engine=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade,
+    credit_ctx = configs.section(CreditContext, cfg, rollouts=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade,
                                  critic=critic, params=ctx.params, generator=ctx.generator)
     with ctx.sampling():
         credit = get_estimator(cfg.estimator)(episodes, credit_ctx)
@@ -150,7 +151,7 @@ def loss_advantages(data: Rollouts, cfg: UpdateConfig) -> dict[str, float]:
 def needs_reference(cfg: TrainConfig) -> bool:
     """True when a run uses the frozen SFT model: for its samples (--sample-from sft), a KL penalty, or an update
     outside the PPO family (RestEM restarts from it, DPO+ scores against it). Without it none is built."""
-    return cfg.sample_from == "sft" or cfg.kl_coef > 0 or ALGORITHMS[cfg.algo] is not ppo_family
+    return cfg.sample_from == "sft" or cfg.kl_coef > 0 or configs.ALGOS[cfg.algo].update != "ppo"
 
 
 def sampler_logprobs(ctx: Context, episodes: list[Episode]) -> bool:

@@ -189,7 +189,7 @@ def time_to_reach(run: dict, target: float) -> float | None:
 
 def summarize(runs: dict[str, dict[int, dict]]) -> dict:
     """compare.json: per algorithm, mean/std over seeds of the headline numbers, and time to PPO's best."""
-    order = ["vineppo", "ppo", "grpo", "grpo-trl", "dr-grpo", "rloo", "restem", "dpo-positive"]  # others after
+    order = list(configs.ALGOS)  # others after
     runs = dict(sorted(runs.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
     ppo = runs.get("ppo")
     ppo_best = spread([r["summary"]["best_test_pass@1"] for r in ppo.values()])["mean"] if ppo else None
@@ -322,8 +322,7 @@ def report(out: Path) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo compare`."""
     p.add_argument("--algos", default="vineppo,ppo,grpo,rloo",
-                   help="comma-separated algorithms: any of vineppo, ppo, grpo, grpo-trl, dr-grpo, rloo, restem, "
-                        "dpo-positive")
+                   help=f"comma-separated algorithms: any of {', '.join(configs.ALGOS)}")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 for every algorithm (default 3)")
     p.add_argument("--iterations", type=int, default=None, help="RL iterations per run (default: the preset's)")
     p.add_argument("--config", default="arith-tiny", help="training preset or YAML file (default: arith-tiny)")

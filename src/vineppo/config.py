@@ -28,27 +28,39 @@ from vineppo.prompts import FORMAT
 
 PRESETS = Path(__file__).parent / "configs"
 
-# --algo NAME -> the settings that make it that algorithm (its update is registered in vineppo.algorithms).
-ALGOS: dict[str, dict] = {
-    "vineppo": {"estimator": "vine", "gae_lambda": 0.0},
-    "ppo": {"estimator": "gae", "gae_lambda": 1.0},
-    "grpo": {"estimator": "grpo"},
+@dataclass(frozen=True)
+class Algo:
+    """What `--algo NAME` means: the update it runs and the settings it brings (over the preset's general ones)."""
+
+    update: str  # the update function, registered under this name in vineppo.algorithms
+    settings: dict  # its defaults: the credit estimator and whatever else makes it this algorithm
+    about: str  # one line for help texts
+
+
+# Every algorithm, in the order reports list them. A variant of an existing update is one entry here.
+ALGOS: dict[str, Algo] = {
+    "vineppo": Algo("ppo", {"estimator": "vine", "gae_lambda": 0.0}, "PPO on per-step Monte Carlo values"),
+    "ppo": Algo("ppo", {"estimator": "gae", "gae_lambda": 1.0}, "PPO with a learned critic and GAE"),
+    "grpo": Algo("ppo", {"estimator": "grpo"}, "PPO on group-normalised rewards (the paper's setting)"),
     # GRPO as TRL's GRPOTrainer runs it by default (docs/algorithms.md, row by row): DAPO's token mean, the
     # group's std, no KL and so no reference model, no batch whitening
-    "grpo-trl": {"estimator": "grpo", "loss_agg": "token-mean", "scale_rewards": "group", "whiten_advantages": False,
-                 "kl_coef": 0.0, "clip_high": None, "mask_truncated": False},
+    "grpo-trl": Algo("ppo", {"estimator": "grpo", "loss_agg": "token-mean", "scale_rewards": "group",
+                             "whiten_advantages": False, "kl_coef": 0.0, "clip_high": None, "mask_truncated": False},
+                     "GRPO with TRL 1.16 GRPOTrainer's defaults"),
     # Dr. GRPO (Liu et al. 2025): no std division, each response's token sum over a constant (max_new_tokens), no KL
-    "dr-grpo": {"estimator": "grpo", "loss_agg": "seq-mean-token-sum-norm", "scale_rewards": "none",
-                "whiten_advantages": False, "kl_coef": 0.0},
-    "rloo": {"estimator": "rloo"},
-    "restem": {"estimator": "none", "val_problems": 500},  # the best round is picked on the validation split
-    "dpo-positive": {"estimator": "none", "sample_from": "sft"},  # the paper's offline pairs, from the SFT model
+    "dr-grpo": Algo("ppo", {"estimator": "grpo", "loss_agg": "seq-mean-token-sum-norm", "scale_rewards": "none",
+                            "whiten_advantages": False, "kl_coef": 0.0}, "GRPO without its length and std biases"),
+    "rloo": Algo("ppo", {"estimator": "rloo"}, "PPO on leave-one-out baselines"),
+    "restem": Algo("restem", {"estimator": "none", "val_problems": 500},  # the best round is picked on validation
+                   "fine-tuning on the correct samples, round by round"),
+    "dpo-positive": Algo("dpo-positive", {"estimator": "none", "sample_from": "sft"},  # the paper's offline pairs
+                         "DPO-Positive on correct vs incorrect samples of the SFT model"),
 }
 
 
 @dataclass
 class TrainConfig:
-    algo: str = "vineppo"  # vineppo | ppo | grpo | rloo | restem | dpo-positive: picks the update and its defaults
+    algo: str = "vineppo"  # one of ALGOS: picks the update and its defaults
     estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
     data: str | None = None  # local training file for the task, or arith's knobs, e.g. 'premature=0' (None: default)
@@ -185,8 +197,8 @@ NEEDS_PEFT = "needs peft (pip install 'vineppo[lora]')"
 COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
     ("samples_per_prompt", lambda c: c.estimator not in ("grpo", "rloo") or c.samples_per_prompt >= 2,
      lambda c: f"{c.algo} compares the responses to one prompt and needs at least 2 (with 1 every advantage is 0)"),
-    ("samples_per_prompt", lambda c: c.algo != "dpo-positive" or c.samples_per_prompt >= 2,
-     lambda c: "dpo-positive pairs responses to one prompt and needs at least 2"),
+    ("samples_per_prompt", lambda c: ALGOS[c.algo].update != "dpo-positive" or c.samples_per_prompt >= 2,
+     lambda c: f"{c.algo} pairs responses to one prompt and needs at least 2"),
     ("sample_from", lambda c: c.sample_from == "policy" or c.estimator == "none",
      lambda c: f"{c.algo} learns on-policy (its update and credit assume its own samples); sft is for dpo-positive "
                f"or restem"),
@@ -310,8 +322,8 @@ def resolve(preset: dict, overrides: dict, source: str = "config") -> TrainConfi
     if not isinstance(sections, dict) or not isinstance(section or {}, dict):
         raise UserError(f"{source}: algos: expected a mapping of algorithm names to settings")
     section = section or {}
-    merged = {**general, **ALGOS[algo], **section, **overrides}
-    origin = {**{k: f"{source}: {k}" for k in general}, **{k: f"--algo {algo}" for k in ALGOS[algo]},
+    merged = {**general, **ALGOS[algo].settings, **section, **overrides}
+    origin = {**{k: f"{source}: {k}" for k in general}, **{k: f"--algo {algo}" for k in ALGOS[algo].settings},
               **{k: f"{source}: algos: {algo}: {k}" for k in section}, **{k: _flag(k) for k in overrides}}
     return validate(merged, origin)
 

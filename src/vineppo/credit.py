@@ -16,9 +16,12 @@ from typing import Any, Callable
 import torch
 
 from vineppo import distributed as dist
+from vineppo.config import TrainConfig
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward
+
+_DEFAULTS = TrainConfig()  # CreditContext's defaults: a run's own settings
 
 
 @dataclass
@@ -48,22 +51,23 @@ class Credit:
 
 @dataclass
 class CreditContext:
-    """The tools an estimator may use: the engine (Monte Carlo), the task grader, the critic, settings."""
+    """The tools an estimator may use (the rollout engine for Monte Carlo, the task grader, the critic) and its
+    settings, whose defaults are TrainConfig's (`config.section` reads a run's values by name)."""
 
-    engine: Any = None
+    rollouts: Any = None  # the rollout engine (an object; TrainConfig.engine is the backend's name)
     tokenizer: Any = None
     grade: Callable[[str, str], float] | None = None
     critic: Any = None  # vineppo.ppo.Critic for `gae`
     params: SamplingParams | None = None  # sampling settings for Monte Carlo continuations
     generator: torch.Generator | None = None
-    mc_k: int = 9  # continuations per state
-    mc_max_states: int = 25  # states estimated per response; later states take V = the response's reward
-    mc_k_min: int = 0  # adaptive K: first round per state (0, or >= mc_k: a fixed mc_k per state)
-    mc_rule: str = "agree"  # adaptive K: when a state is settled (`settled`)
-    mc_states: str = "all"  # which step starts are states (`state_offsets`)
-    gamma: float = 1.0
-    gae_lambda: float = 1.0  # GAE lambda for critic-based estimators
-    scale_rewards: str = "group"  # GRPO: what divides the group-centred reward (REWARD_SCALES)
+    mc_k: int = _DEFAULTS.mc_k  # continuations per state
+    mc_max_states: int = _DEFAULTS.mc_max_states  # states estimated per response; later ones take V = the reward
+    mc_k_min: int = _DEFAULTS.mc_k_min  # adaptive K: first round per state (0, or >= mc_k: a fixed mc_k per state)
+    mc_rule: str = _DEFAULTS.mc_rule  # adaptive K: when a state is settled (`settled`)
+    mc_states: str = _DEFAULTS.mc_states  # which step starts are states (`state_offsets`)
+    gamma: float = _DEFAULTS.gamma
+    gae_lambda: float = _DEFAULTS.gae_lambda  # GAE lambda for critic-based estimators
+    scale_rewards: str = _DEFAULTS.scale_rewards  # GRPO: what divides the group-centred reward (REWARD_SCALES)
     progress: Callable[[int], None] | None = None
 
 
@@ -266,7 +270,7 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     adaptive = 0 < ctx.mc_k_min < ctx.mc_k
     more = (lambda q, j, samples: next_round(graded(q, j, samples), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
         if adaptive else None
-    rollouts = ctx.engine.continuations(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params,
+    rollouts = ctx.rollouts.continuations(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params,
                                         ctx.generator, ctx.progress, budgets=budgets, more=more)
     value_of: dict[tuple, float] = {}
     n_cont = n_tokens = 0

@@ -152,7 +152,7 @@ def advantages(episodes: list[Episode], chosen: list[int], ctx: CreditContext, g
         full = get_estimator(name)(episodes, ctx).advantages
         out[name] = [full[i] for i in chosen]
     for n, (name, k, k_min) in enumerate(VINE + (("truth", gt_k, 0),)):
-        gen = torch.Generator(device=getattr(ctx.engine, "device", "cpu")).manual_seed(seed * 1000 + n + 1)
+        gen = torch.Generator(device=getattr(ctx.rollouts, "device", "cpu")).manual_seed(seed * 1000 + n + 1)
         sub = replace(ctx, mc_k=k, mc_k_min=k_min, generator=gen, progress=progress(name) if progress else None)
         out[name] = get_estimator("vine")(subset, sub).advantages
     if critic is not None:
@@ -169,7 +169,7 @@ def analyze_credit(engine, prompter: Prompter, task, examples: list, study: Cred
     episodes, owners = sample_episodes(engine, prompter, task, examples, study, gen)
     chosen, kinds = pick(episodes, owners, study.responses)
     params = SamplingParams(TEMPERATURE, TOP_P, study.max_new_tokens, tuple(task.stop))
-    ctx = CreditContext(engine=engine, tokenizer=tokenizer, grade=task.grade, params=params, mc_max_states=25)
+    ctx = CreditContext(rollouts=engine, tokenizer=tokenizer, grade=task.grade, params=params, mc_max_states=25)
     t1 = time.perf_counter()
     adv = advantages(episodes, [c["episode"] for c in chosen], ctx, study.gt_k, study.seed, critic, progress)
     t2 = time.perf_counter()
