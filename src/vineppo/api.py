@@ -7,8 +7,9 @@
 `reward` is one reward function in TRL's form or a list of them (vineppo.rewards); each given one replaces its
 TrainConfig field, so a config that names everything (`data="train.jsonl", reward=["rewards.py:f"]`) needs
 nothing more. As on the command line, the fields a config leaves at their defaults take its algorithm's
-(`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS). `train` returns the run summary (summary.json), `evaluate` the evaluation of `config.model` on
-the evaluation data by the settings of the in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
+(`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS). `train` returns the run summary
+(summary.json), `evaluate` the evaluation of `config.model` on the evaluation data by the settings of the
+in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
 
 `vineppo.train` and `vineppo.evaluate` are also the commands' modules: `from vineppo import train` finds the
 module, which, called, runs the function here (vineppo.CallableModule).

@@ -44,7 +44,7 @@ class TrainConfig:
     algo: str = "vineppo"  # vineppo | ppo | grpo | rloo | restem | dpo-positive: picks the update and its defaults
     estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
-    data: str | None = None  # local training file for the task (custom: also hub:NAME[:CONFIG]), or arith's knobs, e.g. 'premature=0' (None: default)
+    data: str | None = None  # local training file for the task (custom: or hub:NAME), or arith's knobs, e.g. 'premature=0' (None: default)
     model: str = "auto"  # SFT model: folder, .gguf file or hub id; "auto" trains/caches the task's tiny SFT model
     prompt_format: str = "auto"  # plain | chat | fewshot:N | auto (the model's recorded format, else chat if it has one)
     # --task custom (vineppo.tasks.custom): a data file, reward functions in TRL's form, a step splitter

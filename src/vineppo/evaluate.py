@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.task}/{args.split}: pass@1 {f['pass@1']} ({args.samples} samples, T={args.temperature}, "
           f"top-p {args.top_p})  greedy {f['greedy']}  pass@{args.samples} {f['pass@k']}  maj@{args.samples} "
           f"{f['maj@k']}  problems {summary['problems']}")
-    print(f"  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  parsable (strict grader): "
+    print(f"  mean reward {f['reward']};  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  "
+          f"parsable (strict grader): "
           f"all {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
           f"{summary['tokens_per_s']:.1f} generated tokens/s")
     if "behaviours" in summary:

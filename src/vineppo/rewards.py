@@ -53,6 +53,9 @@ class Batch:
 def load_function(spec: str) -> tuple[str, Callable]:
     """(name, function) that `--reward FILE.py:FUNCTION` or `--reward package.module:FUNCTION` names."""
     source, _, name = spec.rpartition(":")
+    if source == "python":  # recorded in config.yaml by the Python API, which passes the function itself
+        raise UserError(f"--reward {spec}: a function given to the Python API (vineppo.api), which only Python can "
+                        f"pass again: train(config, reward=...)")
     if not source or not name.isidentifier():
         raise UserError(f"--reward {spec!r}: expected {SPEC_HELP}")
     module = _import_file(source, spec) if source.endswith(".py") else _import_module(source, spec)

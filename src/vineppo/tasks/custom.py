@@ -234,7 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None
         return
     group.add_argument("--reward", action="append", default=None, metavar="FILE.py:FUNCTION",
                        help="a reward function in TRL's form, FILE.py:FUNCTION or package.module:FUNCTION (repeatable)")
-    group.add_argument("--reward-weights", default=None, help="one weight per --reward, comma-separated (default: 1 each)")
+    group.add_argument("--reward-weights", default=None,
+                       help="one weight per --reward, comma-separated (default: 1 each)")
     group.add_argument("--steps", default=None, help=f"VinePPO's steps: {STEPS_HELP} (default: lines)")
     group.add_argument("--success-threshold", type=float, default=None,
                        help="reward at or above which a response counts as solved (default: 1.0)")
