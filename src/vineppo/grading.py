@@ -24,7 +24,7 @@ import sys
 import threading
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from vineppo.engine import Sample
@@ -69,6 +69,47 @@ def continuation_reward(grade: Callable[[str, str], float], tokenizer, prefix_id
     """
     text = tokenizer.decode(list(prefix_ids) + list(sample.token_ids), skip_special_tokens=True)
     return outcome_reward(grade, text, answer, sample.finish_reason)
+
+
+@runtime_checkable
+class BatchGrader(Protocol):
+    """A grader that scores many completions in one call, with their token ids (a custom task's reward functions)."""
+
+    def batch(self, answers: list[str], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
+        """One reward (None: none) per completion."""
+
+
+def grade_batch(grade: Callable[[str, str], float | None], answers: list[str], texts: list[str],
+                token_ids: list[list[int]]) -> list[float | None]:
+    """Grades of finished completions: one call of a BatchGrader, else one `grade` per completion."""
+    if not texts:
+        return []
+    if isinstance(grade, BatchGrader):
+        return grade.batch(answers, texts, token_ids)
+    return [grade(text, answer) for text, answer in zip(texts, answers)]
+
+
+def outcome_rewards(grade: Callable[[str, str], float | None], answers: list[str], samples: list[Sample],
+                    texts: list[str] | None = None, token_ids: list[list[int]] | None = None) -> list[float | None]:
+    """`outcome_reward` of many samples at once: the finished ones graded in one batch, the cut-off ones 0.
+
+    `texts` and `token_ids` replace the samples' own (a continuation graded with its response prefix)."""
+    texts = [s.text for s in samples] if texts is None else texts
+    token_ids = [list(s.token_ids) for s in samples] if token_ids is None else token_ids
+    done = [i for i, s in enumerate(samples) if s.finish_reason == "stop"]
+    graded = grade_batch(grade, [answers[i] for i in done], [texts[i] for i in done], [token_ids[i] for i in done])
+    out: list[float | None] = [0.0] * len(samples)
+    for i, r in zip(done, graded):
+        out[i] = r
+    return out
+
+
+def continuation_rewards(grade: Callable[[str, str], float | None], tokenizer, prefix_ids: list[int],
+                         samples: list[Sample], answer: str) -> list[float | None]:
+    """`continuation_reward` of several continuations of one prefix, graded in one batch."""
+    ids = [list(prefix_ids) + list(s.token_ids) for s in samples]
+    texts = [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+    return outcome_rewards(grade, [answer] * len(samples), samples, texts, ids)
 
 
 def extract_gsm8k(completion: str) -> str | None:

@@ -8,7 +8,12 @@
 - `fewshot:N`: N solved train problems in the plain format (solution, blank line), then the problem in the
   plain format. The task's stop string `\\n\\nProblem:` ends a response that goes on to a new problem.
 - `auto`: the format recorded in the model folder (`vineppo.json`, written by `vineppo sft` and by training
-  checkpoints), else `chat` when the tokenizer has a chat template, else `plain`.
+  checkpoints), else `chat` when the tokenizer has a chat template, else `plain`. A `custom` task chooses by
+  its data: `chat` for prompts that are chat turns; for text prompts the recorded format, else `plain` (the
+  text as it is, as TRL uses a prompt of its standard format).
+
+A `custom` task's chat prompt is its data's own turns (`Task.chat_turns`); a text prompt in `chat` is one user
+turn with the text alone (the task has no instruction).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class Prompter:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         fmt = check_format(spec or "auto")
         if fmt == "auto":
-            fmt = saved_format(model) or ("chat" if has_template else "plain")
+            fmt = task.auto_format(saved_format(model)) or ("chat" if has_template else "plain")
         if fmt == "chat" and not has_template:
             raise UserError(f"--prompt-format chat: the tokenizer of {model or 'this model'} has no chat template; "
                             f"use plain or fewshot:N")
@@ -75,6 +80,8 @@ class Prompter:
         """The prompt as text."""
         if self.format == "chat":
             return self._chat(ex)
+        if self.task.chat_turns(ex) is not None:
+            raise UserError(f"--prompt-format {self.format}: the prompt of {ex.id} is chat turns; use chat (or auto)")
         shots = [s for s in self.shots if s.problem != ex.problem][: self.n_shots]
         return "".join(self.task.prompt(s) + self.task.target(s) + "\n\n" for s in shots) + self.task.prompt(ex)
 
@@ -99,7 +106,8 @@ class Prompter:
         return ids if ids and ids[-1] in tok.all_special_ids else ids + [tok.eos_token_id]
 
     def _chat(self, ex: Example, solution: str | None = None) -> str:
-        turns = [{"role": "user", "content": f"{self.task.instruction}\n\n{ex.problem}"}]
+        turns = self.task.chat_turns(ex) or [{"role": "user", "content": f"{self.task.instruction}\n\n{ex.problem}"
+                                              if self.task.instruction else ex.problem}]
         if solution is not None:
-            turns.append({"role": "assistant", "content": solution})
+            turns = turns + [{"role": "assistant", "content": solution}]
         return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=solution is None)

@@ -31,7 +31,7 @@ from vineppo.errors import UserError
 from vineppo.models import context_length, load_model, pick_device, tiny_model
 from vineppo.prompts import HELP, Prompter, check_format, save_format
 from vineppo.runs import make_folder
-from vineppo.tasks import DATA_HELP, get_task
+from vineppo.tasks import DATA_HELP, custom, get_task
 from vineppo.tracking import console
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
@@ -228,6 +228,8 @@ class SFTConfig:
     log_every: int = 10  # steps between rows of metrics.jsonl
     progress: bool = True  # a progress bar on a terminal, progress lines otherwise
     prompt_format: str | None = None  # plain, chat, fewshot:N or auto (recorded in the output folder)
+    prompt_column: str | None = None  # task custom: the prompt's column (None: prompt, else messages)
+    completion_column: str | None = None  # task custom: the reference completion's column, the SFT target
 
 
 def run_sft(cfg: SFTConfig) -> Path:
@@ -237,13 +239,16 @@ def run_sft(cfg: SFTConfig) -> Path:
     hidden, layers, prompt_format = cfg.hidden, cfg.layers, cfg.prompt_format
     configs.check_flags(dict(lr=lr, epochs=epochs, batch_size=batch_size, max_steps=max_steps, warmup=warmup,
                              hidden=hidden, layers=layers, optimizer=cfg.optimizer), RULES)
-    task = get_task(task_name)
+    task = get_task(task_name, cfg)
     out = Path(cfg.out) if cfg.out is not None else default_sft_dir(task_name, data)
     dev = pick_device(cfg.device)
     check_format(prompt_format or "auto")  # a bad flag or file fails before a model loads
     examples = task.load("train", data, seed)
     if not examples:
         raise UserError(f"task {task_name!r}: the training set is empty")
+    if not any(ex.solution for ex in examples):
+        raise UserError(f"task {task_name!r}: the training examples have no reference completions to train on "
+                        f"(task custom: name their column with --completion-column)")
     torch.manual_seed(seed)
     if model == "tiny":
         net, tokenizer = tiny_model(task, seed=seed, arch=cfg.arch, data=data, hidden=hidden, layers=layers)
@@ -391,6 +396,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=None, help="tiny model width")
     p.add_argument("--layers", type=int, default=None, help="tiny model depth")
     p.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory (large models)")
+    custom.add_arguments(p, scoring=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import bisect
 import re
+from typing import Callable
+
+from vineppo.errors import UserError
 
 # ------------------------------------------------------------------------------------ GSM8K: newlines
 
@@ -34,6 +37,58 @@ def split_newlines(text: str) -> list[str]:
         else:
             steps.append(carry)
     return steps or [text]
+
+
+# ------------------------------------------------------------------- `--steps`: splitters for any text
+
+STEPS_HELP = "lines, paragraphs, sentences, tokens:N or regex:PATTERN (a step ends after each match)"
+_LINE_END = re.compile(r"\n")
+_PARAGRAPH = re.compile(r"\n[ \t\r]*\n(?:[ \t\r]*\n)*")  # a blank-line run ends a paragraph
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n+")  # sentence punctuation and its spaces, or a line break
+
+
+def split_at(text: str, pattern: re.Pattern) -> list[str]:
+    """Steps that end after each non-empty match of `pattern`; a piece of blanks joins the next step."""
+    cuts = [m.end() for m in pattern.finditer(text) if m.end() > m.start()]
+    steps: list[str] = []
+    carry = ""  # whitespace-only pieces waiting for one with content
+    for a, b in zip([0] + cuts, cuts + [len(text)]):
+        piece = carry + text[a:b]
+        carry = piece if not piece.strip() else ""
+        if piece.strip():
+            steps.append(piece)
+    if carry:
+        steps = steps[:-1] + [steps[-1] + carry] if steps else [carry]
+    return steps or [text]
+
+
+def make_splitter(spec: str) -> Callable[[str], list[str]]:
+    """The splitter `--steps` names (tokens:N splits in the trainer, by token count: here one step); a UserError
+    names --steps for anything else."""
+    kind, _, arg = spec.partition(":")
+    if spec in ("lines", "paragraphs", "sentences"):
+        pattern = {"lines": _LINE_END, "paragraphs": _PARAGRAPH, "sentences": _SENTENCE_END}[spec]
+        return lambda text: split_at(text, pattern)
+    if kind == "tokens" and arg.isdigit() and int(arg) >= 1:
+        return lambda text: [text]
+    if kind == "regex" and arg:
+        try:
+            pattern = re.compile(arg)
+        except re.error as e:
+            raise UserError(f"--steps {spec!r}: bad regular expression: {e}") from None
+        return lambda text: split_at(text, pattern)
+    raise UserError(f"--steps {spec!r}: use {STEPS_HELP}")
+
+
+def token_steps(spec: str) -> int:
+    """N for `--steps tokens:N` (a step every N response tokens), else 0 (steps come from the text)."""
+    kind, _, arg = spec.partition(":")
+    return int(arg) if kind == "tokens" and arg.isdigit() else 0
+
+
+def every_n_tokens(n_tokens: int, n: int) -> list[tuple[int, int]]:
+    """Token ranges [start, end) of N tokens each (the last one shorter), at least one range."""
+    return [(s, min(s + n, n_tokens)) for s in range(0, n_tokens, n)] or [(0, 0)]
 
 
 # ---------------------------------------------------------------------------------------- MATH style

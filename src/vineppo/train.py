@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+import vineppo
 from vineppo import config as configs
 from vineppo import distributed as dist
 from vineppo import lora, parallel, runs
@@ -28,29 +29,31 @@ from vineppo.config import TrainConfig, check_engine
 from vineppo.credit import Episode, groups
 from vineppo.engine import Engine, SamplingParams, make_engine
 from vineppo.engine.budget import auto_token_budget, update_reserve
-from vineppo.errors import UserError
+from vineppo.errors import RewardError, UserError
 from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
-from vineppo.grading import outcome_reward
+from vineppo.grading import outcome_rewards
 from vineppo.models import context_length, disable_dropout, load_model
 from vineppo.ppo import Critic
 from vineppo.prompts import Prompter
 from vineppo.sft import default_model
-from vineppo.steps import step_token_ranges, token_char_offsets
+from vineppo.steps import every_n_tokens, step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, plot_run, progress_bar
 
-TASK_PRESETS = {"arith": "arith-tiny"}  # without --config a run uses configs/<task>.yaml, or the preset named here
+# without --config a run uses configs/<task>.yaml, or the preset named here (None: TrainConfig's defaults alone)
+TASK_PRESETS: dict[str, str | None] = {"arith": "arith-tiny", "custom": None}
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 
 
-def train(cfg: TrainConfig, resume: Path | None = None) -> dict:
-    """Run (or resume) RL training as configured; returns the run summary."""
+def train(cfg: TrainConfig, resume: Path | None = None, task: Task | None = None) -> dict:
+    """Run (or resume) RL training as configured; returns the run summary. `task`: the task object to train on
+    (the Python API's custom task), else the registered one `cfg.task` names, for `cfg`'s settings."""
     cfg = configs.validate(cfg)  # callers of this function may build a TrainConfig by hand
     check_engine(cfg.engine)  # a missing vLLM fails before anything loads
     device = dist.init(cfg.device)
     out = Path(resume) if resume else _run_dir(cfg)
     with runs.locked(out, create=not resume, enabled=dist.is_main()):  # one run per folder, for its whole life
-        return _train(cfg, out, resume is not None, device)
+        return _train(cfg, out, resume is not None, device, task)
 
 
 @dataclass
@@ -140,27 +143,32 @@ class Run:
         return parallel.sampling(self.device, self.cfg.dtype, *nets)
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> dict:
+def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None) -> dict:
     """The run, its folder locked: set up, evaluate the SFT model, iterate, summarise."""
-    run = setup(cfg, out, resume, device)
-    if run.state.iteration == 0 and (run.test_set or run.val_set):
-        run.bar.status("evaluating the SFT model")
-        scores = evaluate_policy(run, 0)
-        run.state.sft_test_pass1, run.state.sft_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
-        run.state.record(0, scores)
-        with _disk_errors(out):
-            run.tracker.log(0, scores)
-        run.clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
-    for it in range(run.state.iteration, cfg.iterations):
-        if iteration(run, it):
-            break
+    run = setup(cfg, out, resume, device, task)
+    try:
+        if run.state.iteration == 0 and (run.test_set or run.val_set):
+            run.bar.status("evaluating the SFT model")
+            scores = evaluate_policy(run, 0)
+            run.state.sft_test_pass1, run.state.sft_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
+            run.state.record(0, scores)
+            with _disk_errors(out):
+                run.tracker.log(0, scores)
+            run.clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
+        for it in range(run.state.iteration, cfg.iterations):
+            if iteration(run, it):
+                break
+    except RewardError as e:  # a user's reward function failed: the run stops, saying what was kept
+        kept = runs.latest(out)
+        raise UserError(f"{e}. The run stopped; " + (f"the last good checkpoint is {kept}" if kept else
+                                                     "no checkpoint had been saved yet")) from None
     return finish(run)
 
 
-def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device) -> Run:
+def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None) -> Run:
     """Folder and data checks before any model loads, then the models, engines, tracker and (on resume) state."""
     main = dist.is_main()
-    task = get_task(cfg.task)
+    task = task or get_task(cfg.task, cfg)
     algorithm = get_algorithm(cfg)
     found = runs.resume_point(out, cfg.iterations) if resume else []
     if main and not resume:
@@ -239,10 +247,13 @@ def iteration(run: Run, it: int) -> bool:
     with run.sampling(run.sampler):
         outputs = run.engine.generate(prompt_ids, cfg.samples_per_prompt, run.params, gen)
 
-    # 2. Grade and cut into steps; with --oversample, keep the prompts whose responses differ in reward.
-    sampled = [_episode(run.task, run.tokenizer, ids, s, g, ex) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs)
-               for s in samples]
-    episodes = _informative(sampled, cfg.prompts_per_iter) if cfg.oversample > 1 else sampled
+    # 2. Grade (in one batch) and cut into steps; a response without a reward (a custom reward's None) is left out
+    # of the loss; with --oversample, keep the prompts whose responses differ in reward.
+    drawn = [(g, ex, ids, s) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs) for s in samples]
+    rewards = outcome_rewards(run.task.grade, [ex.answer for _, ex, _, _ in drawn], [s for *_, s in drawn])
+    sampled = [_episode(run.task, run.tokenizer, ids, s, g, ex, r) for (g, ex, ids, s), r in zip(drawn, rewards)]
+    rewarded = [ep for ep in sampled if ep.reward is not None]
+    episodes = _informative(rewarded, cfg.prompts_per_iter) if cfg.oversample > 1 else rewarded
     metrics = _sample_metrics(run, it, mine, outputs, sampled, episodes)
     run.watch.update(metrics)
     t1 = time.perf_counter()
@@ -288,17 +299,21 @@ def iteration(run: Run, it: int) -> bool:
 def _sample_metrics(run: Run, it: int, mine: list, outputs: list, sampled: list[Episode],
                     episodes: list[Episode]) -> dict[str, float]:
     """The iteration's sample statistics over all ranks; refuses an iteration whose responses all hit the limit."""
-    n, truncated, reward, tokens, mixed, prompts, kept_mixed = dist.all_sum([
-        float(len(sampled)), float(sum(ep.truncated for ep in sampled)), sum(ep.reward for ep in sampled),
-        float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(sampled)), float(len(mine)),
-        float(_mixed_prompts(episodes))])
+    rewarded = [ep for ep in sampled if ep.reward is not None]
+    n, truncated, reward, tokens, mixed, prompts, kept_mixed, scored = dist.all_sum([
+        float(len(sampled)), float(sum(ep.truncated for ep in sampled)), sum(ep.reward for ep in rewarded),
+        float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(rewarded)), float(len(mine)),
+        float(_mixed_prompts(episodes)), float(len(rewarded))])
     if truncated == n:
         raise UserError(f"iteration {it + 1}: all {int(n)} responses hit max_new_tokens={run.cfg.max_new_tokens} "
                         f"(reward 0, nothing to learn); raise --max-new-tokens or check the model. Last good "
                         f"checkpoint: {runs.latest(run.out) or 'none yet'}")
-    metrics = {"train/reward": reward / n, "train/truncated": truncated / n, "train/response_tokens": tokens / n,
+    if scored == 0:
+        raise UserError(f"iteration {it + 1}: no response of {int(n)} got a reward (the reward functions returned None "
+                        f"for all of them). Last good checkpoint: {runs.latest(run.out) or 'none yet'}")
+    metrics = {"train/reward": reward / scored, "train/truncated": truncated / n, "train/response_tokens": tokens / n,
                "episodes": n, "train/mixed_prompts": mixed / max(prompts, 1.0),
-               "train/kept_mixed_prompts": kept_mixed / run.cfg.prompts_per_iter}
+               "train/kept_mixed_prompts": kept_mixed / run.cfg.prompts_per_iter, "train/no_reward": 1 - scored / n}
     if run.task.behaviour:  # the share of each way of answering among the iteration's samples
         labels = [run.task.behaviour(ex, s.text) for (_, ex), samples in zip(mine, outputs) for s in samples]
         counts = dist.all_sum([float(labels.count(name)) for name in run.task.behaviours])
@@ -386,11 +401,13 @@ def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device
     return Models(runs.Trained(policy, optimizer, critic, critic_opt, cfg.fsdp), trainee, critic_trainee, reference)
 
 
-def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, ex: Example) -> Episode:
-    """Grade one sampled response and map its reasoning steps to token ranges."""
-    reward = outcome_reward(task.grade, sample.text, ex.answer, sample.finish_reason)
-    offsets = token_char_offsets(tokenizer, sample.token_ids)
-    steps = step_token_ranges(task.response_steps(sample.text), offsets)
+def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, ex: Example,
+             reward: float | None) -> Episode:
+    """One graded response, its reasoning steps mapped to token ranges (or runs of `task.step_tokens` tokens)."""
+    if task.step_tokens:
+        steps = every_n_tokens(len(sample.token_ids), task.step_tokens)
+    else:
+        steps = step_token_ranges(task.response_steps(sample.text), token_char_offsets(tokenizer, sample.token_ids))
     return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex.answer, steps,
                    sample.finish_reason != "stop", list(sample.logprobs))
 
@@ -514,16 +531,16 @@ def _run_dir(cfg: TrainConfig) -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo train`: --config, --resume, --json, and one flag per TrainConfig field."""
     p.add_argument("--config", default=None, help="preset name or YAML file (default: the task's preset: "
-                   "arith-tiny for arith, gsm8k for gsm8k, math for math)")
+                   "arith-tiny for arith, gsm8k for gsm8k, math for math; none for custom)")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     configs.add_config_arguments(p)
 
 
-def task_preset(task: str) -> str:
+def task_preset(task: str) -> str | None:
     """The preset a run of `task` uses without --config: the one named in TASK_PRESETS, else the task's name."""
     name = TASK_PRESETS.get(task, task)
-    if not (configs.PRESETS / f"{name}.yaml").is_file():
+    if name is not None and not (configs.PRESETS / f"{name}.yaml").is_file():
         raise UserError(f"task {task!r} has no preset of its own; pass --config PRESET|FILE.yaml")
     return name
 
@@ -541,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = configs.load(saved, overrides)
     else:
         preset = args.config or task_preset(overrides.get("task", TrainConfig.task))
-        cfg = configs.resolve(configs.load_preset(preset), overrides, source=preset)
+        cfg = configs.resolve(configs.load_preset(preset) if preset else {}, overrides, source=preset or "defaults")
         cfg.preset = preset
     try:
         summary = train(cfg, Path(args.resume) if args.resume else None)
@@ -552,3 +569,6 @@ def run(args: argparse.Namespace) -> int:
     if main:
         print(json.dumps(summary) if args.json else f"run folder: {summary['out']}\n{json.dumps(summary, indent=2)}")
     return 0
+
+
+vineppo.callable_module(__name__)  # `from vineppo import train` gives this module; called, it runs vineppo.api.train

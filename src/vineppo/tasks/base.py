@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from vineppo.errors import UserError
 from vineppo.grading import lenient_gsm8k
@@ -13,7 +13,8 @@ DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
 HASH_ANSWER = "Solve the problem step by step. Write the final answer on the last line in the form '#### <number>'."
 BOXED_ANSWER = "Solve the problem step by step. Put the final answer in \\boxed{}."
 # --data's help in every command that loads a task.
-DATA_HELP = "data file for tasks that read one (gsm8k, math), or arith's knobs, e.g. 'premature=0' (vineppo.tasks.arith)"
+DATA_HELP = ("data file for tasks that read one (gsm8k, math; custom: JSONL, JSON, CSV, Parquet or hub:NAME[:CONFIG]), "
+             "or arith's knobs, e.g. 'premature=0' (vineppo.tasks.arith)")
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ class Task:
     splits: tuple[str, ...] = ("train", "validation", "test")
     # Text that ends a response besides the tokenizer's EOS (a model that starts a new problem).
     stop: tuple[str, ...] = ("\n\nProblem:",)
-    # lenient(completion, reference_answer) -> 1.0 or 0.0: `vineppo eval`'s lenient score, never the reward.
-    lenient: Callable[[str, str], float] = lenient_gsm8k
+    # lenient(completion, reference_answer) -> 1.0 or 0.0: `vineppo eval`'s lenient score, never the reward (None:
+    # the strict one).
+    lenient: Callable[[str, str], float] | None = lenient_gsm8k
     # Extra keyword knobs the loader accepts (documented per task).
     options: dict = field(default_factory=dict)
     # extract(completion) -> the answer the grader would compare, or None when it finds none (strict
@@ -53,6 +55,25 @@ class Task:
     # `eval` and the in-run metrics; never the reward); None when the task names no behaviours.
     behaviour: Callable[[Example, str], str] | None = None
     behaviours: tuple[str, ...] = ()
+    step_tokens: int = 0  # > 0: a response's steps are runs of this many tokens, not `split_steps` (custom tokens:N)
+
+    def configured(self, settings: Any) -> Task:
+        """The task for a command's settings (its flags, or a TrainConfig): itself; `custom` reads its own."""
+        return self
+
+    def chat_turns(self, example: Example) -> list[dict] | None:
+        """The chat turns of an example's prompt when its data gives them (custom), else None: the chat prompt
+        is one user turn, the instruction then the problem."""
+        return None
+
+    def auto_format(self, recorded: str | None) -> str | None:
+        """The prompt format `auto` picks, given the one recorded with the model: that one (None: chat when the
+        tokenizer has a template, else plain); `custom` chooses by its data."""
+        return recorded
+
+    def solved(self, reward: float | None) -> bool:
+        """Whether a response with this reward counts as solved in pass@1 and pass@k."""
+        return reward is not None and reward >= 1.0
 
     def prompt(self, example: Example) -> str:
         """The prompt text for one example."""
@@ -84,8 +105,9 @@ def register(task: Task) -> Task:
     return task
 
 
-def get_task(name: str) -> Task:
-    """The registered task called `name`, or a UserError listing the known ones."""
+def get_task(name: str, settings: Any = None) -> Task:
+    """The registered task called `name` for a command's settings (`Task.configured`), or a UserError listing the
+    known ones."""
     if name not in TASKS:
         raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
+    return TASKS[name].configured(settings)

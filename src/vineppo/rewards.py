@@ -1,0 +1,220 @@
+"""Reward functions in TRL's form: found by name, checked against the data's columns, called in batches.
+
+A reward function is `f(prompts, completions, **kwargs) -> list[float | None]`, the signature of TRL's
+GRPOTrainer: one call scores a batch of completions. `prompts` and `completions` are strings, or for chat data
+lists of `{role, content}` messages (the prompt's turns; one assistant message per completion); the keyword
+arguments are `completion_ids` (each completion's token ids) and every column of the data but the prompt's,
+one entry per completion. A function written for TRL runs unchanged, `async def` ones included.
+
+Several functions add up, each times its weight (`--reward-weights`, 1 each by default). A function's None
+for a completion leaves that function out of its sum (TRL's rule for rewards that apply to some rows only);
+a completion that every function leaves out has no reward: the trainer leaves it out of the loss and counts it.
+
+Whatever goes wrong stops the run with one line naming the function: an exception (with the batch's first
+example), anything but one finite number or None per completion, or a call longer than `--reward-timeout-s`.
+"""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import signal
+import sys
+import threading
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from vineppo.errors import RewardError, UserError
+
+ARGUMENTS = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
+SPEC_HELP = "FILE.py:FUNCTION or package.module:FUNCTION"
+
+
+@dataclass
+class Batch:
+    """One call's inputs: a list entry per completion."""
+
+    prompts: list  # the prompt column's values: text, or chat turns
+    completions: list  # text, or [{"role": "assistant", "content": text}] for chat data
+    completion_ids: list[list[int]]
+    columns: dict[str, list]  # every other column of the data
+    where: list[str]  # each completion's example (file:line), for error messages
+
+
+def load_function(spec: str) -> tuple[str, Callable]:
+    """(name, function) that `--reward FILE.py:FUNCTION` or `--reward package.module:FUNCTION` names."""
+    source, _, name = spec.rpartition(":")
+    if source == "python":  # recorded in config.yaml by the Python API, which passes the function itself
+        raise UserError(f"--reward {spec}: a function given to the Python API (vineppo.api), which only Python can "
+                        f"pass again: train(config, reward=...)")
+    if not source or not name.isidentifier():
+        raise UserError(f"--reward {spec!r}: expected {SPEC_HELP}")
+    module = _import_file(source, spec) if source.endswith(".py") else _import_module(source, spec)
+    fn = getattr(module, name, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+        raise UserError(f"--reward {spec}: {source} has no function {name!r}" +
+                        (f" (it defines {', '.join(defined)})" if defined else ""))
+    if not callable(fn):
+        raise UserError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function")
+    return name, fn
+
+
+def _import_file(path: str, spec: str):
+    """The module of a Python file, run afresh; its folder joins sys.path, as for a script run beside it."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"--reward {spec}: no such file {path}")
+    name = "vineppo_reward_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
+    found = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module  # dataclasses and pickling look a module up here
+    if str(file.resolve().parent) not in sys.path:
+        sys.path.append(str(file.resolve().parent))
+    try:
+        found.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever a user's file raises becomes one line naming it
+        del sys.modules[name]
+        raise UserError(f"--reward {spec}: importing {path} failed: {one_line(e, file)}") from None
+    return module
+
+
+def _import_module(dotted: str, spec: str):
+    """An installed module by its dotted name."""
+    try:
+        return importlib.import_module(dotted)
+    except ModuleNotFoundError as e:
+        raise UserError(f"--reward {spec}: no module named {e.name!r} (a file must end in .py)") from None
+    except Exception as e:  # noqa: BLE001 - as for a file
+        raise UserError(f"--reward {spec}: importing {dotted} failed: {one_line(e)}") from None
+
+
+def one_line(e: BaseException, file: Path | None = None) -> str:
+    """'Type: message' of an exception, with the line of `file` (or of the innermost frame) it came from."""
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if file is None or Path(f.filename).resolve() == file.resolve()]
+    line = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else (mine[-1].lineno if mine else None)
+    at = f" (line {line})" if line else ""
+    return f"{type(e).__name__}: {text}{at}" if text else f"{type(e).__name__}{at}"
+
+
+def check_signature(name: str, fn: Callable, columns: list[str]) -> None:
+    """A UserError unless `fn` takes what every call passes by name (prompts, completions, completion_ids and the
+    columns; TRL's form takes what it does not name with **kwargs) and needs nothing else."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: its first call will tell
+        return
+    passed = [*ARGUMENTS, *columns]
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [p for p in needed if p not in passed or p not in named]
+    if missing:
+        raise UserError(f"reward function {name}: its argument(s) {', '.join(missing)} are not columns of the data "
+                        f"(columns: {', '.join(columns) or 'none'}) nor {', '.join(ARGUMENTS)} passed by name")
+    if not any(p.kind == p.VAR_KEYWORD for p in params) and (extra := [k for k in passed if k not in named]):
+        raise UserError(f"reward function {name} does not take {', '.join(extra)}, which every call passes by name; "
+                        f"add **kwargs to its arguments (TRL's form: def {name}(prompts, completions, **kwargs))")
+
+
+class Rewards:
+    """The weighted sum of reward functions, called on batches with a time limit per call."""
+
+    def __init__(self, functions: list[tuple[str, Callable]], weights: list[float] | None = None,
+                 timeout_s: float = 0.0):
+        self.functions = functions
+        self.weights = list(weights) if weights else [1.0] * len(functions)
+        if len(self.weights) != len(functions):
+            raise UserError(f"--reward-weights: {len(self.weights)} weights for {len(functions)} reward functions")
+        self.timeout_s = timeout_s
+
+    def __call__(self, batch: Batch) -> list[float | None]:
+        """Each completion's reward: the weighted sum of the numbers its functions gave, None when they gave none."""
+        total: list[float | None] = [None] * len(batch.completions)
+        for (name, fn), weight in zip(self.functions, self.weights):
+            for i, value in enumerate(self._call(name, fn, batch)):
+                if value is not None:
+                    total[i] = (total[i] or 0.0) + weight * value
+        return total
+
+    def _call(self, name: str, fn: Callable, batch: Batch) -> list[float | None]:
+        n = len(batch.completions)
+        try:
+            with time_limit(self.timeout_s):
+                out = fn(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
+                         **batch.columns)
+                if inspect.isawaitable(out):  # an `async def` reward, as TRL allows
+                    out = asyncio.run(out)
+        except TimeoutError:
+            raise RewardError(f"reward function {name} took more than {self.timeout_s:g} s on a batch of {n} "
+                              f"completions (--reward-timeout-s)") from None
+        except Exception as e:  # noqa: BLE001 - a user's function: any exception becomes one line naming it
+            raise RewardError(f"reward function {name} raised {one_line(e)} on a batch of {n} completions whose first "
+                              f"example is {batch.where[0]}") from None
+        return checked(name, out, batch)
+
+
+def checked(name: str, out: Any, batch: Batch) -> list[float | None]:
+    """A function's result as floats and Nones, or a RewardError naming it and the first bad completion."""
+    n = len(batch.completions)
+    values = out.tolist() if hasattr(out, "tolist") else out  # numpy arrays and tensors, as TRL accepts
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"reward function {name} returned a {type(out).__name__}, not a list of {n} rewards "
+                          f"(one number or None per completion)")
+    if len(values) != n:
+        raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions (one per "
+                          f"completion; batch from {batch.where[0]})")
+    for value, where in zip(values, batch.where):
+        if value is not None and not isinstance(value, numbers.Real):  # bools count, as in TRL
+            raise RewardError(f"reward function {name} returned {value!r} ({type(value).__name__}) for a completion "
+                              f"of {where}; a reward is a number or None")
+        if value is not None and not math.isfinite(value):
+            raise RewardError(f"reward function {name} returned {value} for a completion of {where}; a reward must "
+                              f"be finite")
+    return [None if v is None else float(v) for v in values]
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise TimeoutError in the block once `seconds` pass (0, or outside the main thread: no limit).
+
+    A timer thread sends the main thread SIGINT (a KeyboardInterrupt there, which wakes a sleeping call), so the
+    user's own SIGALRM timers (math-verify's) are left alone; C code that never returns to Python runs on."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired, lock, armed = threading.Event(), threading.Lock(), [True]
+
+    def fire() -> None:
+        with lock:
+            if armed[0]:
+                fired.set()
+                if hasattr(signal, "pthread_kill"):
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                else:  # Windows: the flag alone, seen at the main thread's next bytecode
+                    _thread.interrupt_main()
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        try:
+            yield
+        finally:
+            with lock:
+                armed[0] = False
+            timer.cancel()
+    except KeyboardInterrupt:
+        if fired.is_set():
+            raise TimeoutError from None
+        raise

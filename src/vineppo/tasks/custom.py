@@ -1,0 +1,322 @@
+"""`custom`: a user's own task from a data set, reward functions in TRL's form and a step splitter; no code here.
+
+**Data** (`--data`, `--eval-data`): a JSONL, JSON (an array of objects), CSV or Parquet file; a Hugging Face Hub
+data set `hub:NAME[:CONFIG]`, read by `datasets` (its `train` split for training and validation, the split
+asked for otherwise: `--eval-split`, `--split`); or, from Python, a list of dicts or a `datasets.Dataset`. As
+for gsm8k, `test` is a whole source and `train`/`validation` are carved from it with a fixed seed.
+
+**Prompt**: the column `--prompt-column` (default `prompt`) holds text, used as it is (prompt format `plain`),
+or chat turns (a list of `{role, content}`), rendered with the tokenizer's chat template (`chat`); without
+that column, a `messages` column is the prompt and its last assistant turn, if any, the reference completion.
+`--completion-column` names the reference completion, what `vineppo sft` trains on. Every other column
+reaches the reward functions as a keyword argument (vineppo.rewards).
+
+**Reward**: `--reward FILE.py:FUNCTION` or `package.module:FUNCTION`, repeatable, weighted by
+`--reward-weights`; a response is solved (pass@1, pass@k) when its reward is at least `--success-threshold`.
+**Steps**: `--steps` (vineppo.steps; lines by default). An example's id is where it comes from (`file:line`,
+`file[index]`, `hub NAME split record i`, `data[i]`), and its `answer` is that id: the key of its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from vineppo.errors import UserError
+from vineppo.rewards import ARGUMENTS, Batch, Rewards, check_signature, load_function
+from vineppo.steps import STEPS_HELP, make_splitter, token_steps
+from vineppo.tasks.base import Example, Task, register
+from vineppo.tasks.data import carve, load_hub, read_jsonl
+
+PYTHON = "python:"  # --data python:NAME: a data set the Python API passed (vineppo.api)
+NO_DATA = "task 'custom' reads its data from --data: a JSONL, JSON, CSV or Parquet file, or hub:NAME[:CONFIG]"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The custom task's settings: the flags of the same names (TrainConfig fields for `vineppo train`)."""
+
+    reward: tuple[str, ...] = ()  # FILE.py:FUNCTION or package.module:FUNCTION, one per function
+    reward_weights: tuple[float, ...] | None = None  # one per function (None: 1 each)
+    prompt_column: str = "prompt"
+    completion_column: str | None = None  # the reference completion (None: none, or a `messages` column's)
+    steps: str = "lines"  # the step splitter (vineppo.steps.make_splitter)
+    success_threshold: float = 1.0  # reward at or above which a response counts as solved
+    reward_timeout_s: float = 60.0  # time limit of one reward call (0: none)
+
+    @classmethod
+    def read(cls, source: Any) -> Settings:
+        """The settings an object holds under these names (a TrainConfig, a command's flags); unset ones default."""
+        given = {k: getattr(source, k) for k in cls.__dataclass_fields__ if getattr(source, k, None) is not None}
+        if isinstance(given.get("reward"), str):
+            given["reward"] = given["reward"].split(",")
+        if isinstance(given.get("reward_weights"), str):
+            given["reward_weights"] = given["reward_weights"].split(",")
+        weights = given.get("reward_weights")
+        if weights is not None:
+            try:
+                given["reward_weights"] = tuple(float(w) for w in weights)
+            except (TypeError, ValueError):
+                raise UserError(f"--reward-weights {weights!r}: expected numbers, e.g. 1,0.5") from None
+        settings = cls(**{**given, "reward": tuple(given.get("reward", ()))})
+        if not math.isfinite(settings.success_threshold):
+            raise UserError(f"--success-threshold: must be a finite number, got {settings.success_threshold}")
+        if not settings.reward_timeout_s >= 0:
+            raise UserError(f"--reward-timeout-s: must be >= 0, got {settings.reward_timeout_s}")
+        return settings
+
+
+@dataclass
+class Row:
+    """What a reward function gets of one example: its prompt and its other columns."""
+
+    prompt: str | list[dict]  # text, or chat turns
+    columns: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CustomTask(Task):
+    """A Task whose data, reward and steps come from the user (`Settings`); `data` holds the rows it loaded."""
+
+    settings: Settings = Settings()
+    data: Data | None = None
+
+    def configured(self, settings: Any) -> CustomTask:
+        """A fresh custom task for the settings `settings` holds (vineppo.tasks.base.Task.configured)."""
+        return make_task(Settings.read(settings))
+
+    def chat_turns(self, example: Example) -> list[dict] | None:
+        """The prompt's chat turns when the data gives them."""
+        prompt = self.data.rows[example.answer].prompt
+        return prompt if isinstance(prompt, list) else None
+
+    def auto_format(self, recorded: str | None) -> str | None:
+        """chat for data whose prompts are chat turns; for text prompts the model's recorded format, else plain
+        (the text as it is, as TRL uses a prompt of its standard format)."""
+        return "chat" if self.data.format == "chat" else recorded or "plain"
+
+    def solved(self, reward: float | None) -> bool:
+        """Reward at least --success-threshold."""
+        return reward is not None and reward >= self.settings.success_threshold
+
+    def prompt(self, example: Example) -> str:
+        """The prompt text as the data gives it."""
+        return example.problem
+
+    def target(self, example: Example) -> str:
+        """The reference completion as the data gives it (TRL's standard format joins prompt and completion)."""
+        return example.solution
+
+
+class Data:
+    """A custom task's rows by example key, whether its prompts are text or chat turns, and its reward."""
+
+    def __init__(self, settings: Settings, objects: dict[str, Any]):
+        self.settings, self.objects = settings, objects
+        self.rows: dict[str, Row] = {}
+        self.format: str | None = None  # plain (text prompts) or chat, once a source is loaded
+        self.rewards: Rewards | None = None  # made when the first source is loaded (its columns are checked)
+
+    def load(self, split: str, path: str | None, seed: int = 0) -> list[Example]:
+        """The examples of `split` from `path` (a source as --data takes it); `seed` is unused (the carve is fixed)."""
+        if path is None:
+            raise UserError(NO_DATA)
+        records, where = self.read(path, split)
+        pairs = carve(records, split) if split in ("train", "validation") else list(enumerate(records))
+        examples = [self.example(records[i], where[i]) for i, _ in pairs]
+        if not examples:
+            return examples
+        columns = list(self.rows[examples[0].answer].columns)
+        for ex in examples:
+            missing = [c for c in columns if c not in self.rows[ex.answer].columns]
+            extra = [c for c in self.rows[ex.answer].columns if c not in columns]
+            if missing or extra:
+                raise UserError(f"{ex.id}: " + (f"missing column {missing[0]!r}" if missing else f"column {extra[0]!r}")
+                                + f", unlike {examples[0].id}; every record needs the same columns")
+        for name, fn in self.functions():
+            check_signature(name, fn, columns)
+        return examples
+
+    def read(self, path: str, split: str) -> tuple[list[dict], list[str]]:
+        """The records of a source and where each one is."""
+        if path.startswith(PYTHON):
+            name = path[len(PYTHON):]
+            if name not in self.objects:
+                raise UserError(f"{path}: no such data set (python:NAME names one the Python API was given)")
+            records = [dict(r) if hasattr(r, "keys") else r for r in self.objects[name]]
+            where = [f"{name}[{i}]" for i in range(len(records))]
+        elif path.startswith("hub:"):
+            repo, _, config = path[4:].partition(":")
+            hub_split = "train" if split in ("train", "validation") else split
+            records = load_hub(repo, config or None, hub_split, task="custom", required=())
+            where = [f"hub {repo} {hub_split} record {i}" for i in range(len(records))]
+        else:
+            records, where = read_file(path)
+        if not records:
+            raise UserError(f"{path}: no records (empty data set)")
+        bad = next((w for r, w in zip(records, where) if not isinstance(r, dict)), None)
+        if bad:
+            raise UserError(f"{bad}: expected a record of named columns (a JSON object, a dict)")
+        return records, where
+
+    def example(self, record: dict, where: str) -> Example:
+        """One record as an Example (id and answer: where it is) and its Row; a UserError names where and column."""
+        source, reference = self.settings.prompt_column, None
+        if source not in record and source == "prompt" and "messages" in record:
+            source = "messages"
+        if source not in record:
+            raise UserError(f"{where}: no column {source!r} (columns: {', '.join(record)}); name the prompt's "
+                            f"column with --prompt-column")
+        prompt = record[source]
+        if turns(prompt) and prompt and prompt[-1]["role"] == "assistant":  # a reference answer, not the prompt
+            prompt, reference = prompt[:-1], prompt[-1]["content"]
+        kind = "plain" if isinstance(prompt, str) else "chat" if turns(prompt) and prompt else None
+        if kind is None or not (prompt if kind == "plain" else prompt[-1]["content"]).strip():
+            raise UserError(f"{where}: column {source!r} must be non-empty text or a list of {{role, content}} chat "
+                            f"turns, got {str(prompt)[:60]!r}")
+        if self.format not in (None, kind):
+            raise UserError(f"{where}: the prompt is {'text' if kind == 'plain' else 'chat turns'} but the earlier "
+                            f"records' are not; a data set's prompts are all text or all chat turns")
+        self.format = kind
+        if self.settings.completion_column is not None:
+            reference = completion_text(record, self.settings.completion_column, where)
+        columns = {k: v for k, v in record.items() if k != source}
+        reserved = [k for k in columns if k in ARGUMENTS]
+        if reserved:
+            raise UserError(f"{where}: column {reserved[0]!r} has the name of an argument every reward call passes; "
+                            f"rename it")
+        self.rows[where] = Row(prompt, columns)
+        text = prompt if kind == "plain" else prompt[-1]["content"]
+        return Example(id=where, problem=text, solution=reference or "", answer=where)
+
+    def functions(self) -> list[tuple[str, Callable]]:
+        """The reward functions, loaded once (the Python API's callables, or --reward's names)."""
+        if self.rewards is None:
+            given = self.objects.get("reward")
+            functions = [(getattr(f, "__name__", "reward"), f) for f in given] if given else \
+                [load_function(spec) for spec in self.settings.reward]
+            self.rewards = Rewards(functions, self.settings.reward_weights, self.settings.reward_timeout_s)
+        return self.rewards.functions
+
+    def batch(self, keys: list[str], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
+        """The rewards of completions `texts` of the examples `keys` (one call of each reward function)."""
+        if not self.functions():
+            raise UserError("task 'custom' has no reward function: pass --reward FILE.py:FUNCTION")
+        rows = [self.rows[k] for k in keys]
+        names = list(rows[0].columns)
+        for row, key in zip(rows, keys):
+            if set(row.columns) != set(names):
+                raise UserError(f"{key}: its columns ({', '.join(row.columns)}) are not those of {keys[0]} "
+                                f"({', '.join(names)}), which it is scored with")
+        chat = [[{"role": "assistant", "content": t}] for t in texts]
+        return self.rewards(Batch(prompts=[r.prompt for r in rows], completions=chat if self.format == "chat" else
+                                  list(texts), completion_ids=[list(ids) for ids in token_ids],
+                                  columns={c: [r.columns[c] for r in rows] for c in names}, where=list(keys)))
+
+    def __call__(self, text: str, key: str) -> float | None:
+        """One completion's reward (Task.grade): no token ids here, so `batch` is what the trainer calls."""
+        return self.batch([key], [text], [[]])[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None:
+    """The custom task's flags for `eval`, `sft` (`scoring` False: no reward) and `inspect-data`; `train` has them as
+    TrainConfig fields."""
+    group = parser.add_argument_group("--task custom (vineppo.tasks.custom)")
+    group.add_argument("--prompt-column", default=None, help="the prompt's column, text or chat turns (default: "
+                       "prompt, else a messages column)")
+    group.add_argument("--completion-column", default=None, help="the reference completion's column")
+    if not scoring:
+        return
+    group.add_argument("--reward", action="append", default=None, metavar="FILE.py:FUNCTION",
+                       help="a reward function in TRL's form, FILE.py:FUNCTION or package.module:FUNCTION (repeatable)")
+    group.add_argument("--reward-weights", default=None,
+                       help="one weight per --reward, comma-separated (default: 1 each)")
+    group.add_argument("--steps", default=None, help=f"VinePPO's steps: {STEPS_HELP} (default: lines)")
+    group.add_argument("--success-threshold", type=float, default=None,
+                       help="reward at or above which a response counts as solved (default: 1.0)")
+    group.add_argument("--reward-timeout-s", type=float, default=None,
+                       help="seconds one reward call may take (default: 60; 0: no limit)")
+
+
+def turns(value: Any) -> bool:
+    """True for a list of chat messages: dicts with a role and text content."""
+    return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                                           for m in value)
+
+
+def completion_text(record: dict, column: str, where: str) -> str:
+    """The reference completion in `column`: text, or the content of the last chat turn."""
+    if column not in record:
+        raise UserError(f"{where}: no column {column!r} (--completion-column; columns: {', '.join(record)})")
+    value = record[column]
+    if isinstance(value, str):
+        return value
+    if turns(value) and value:
+        return value[-1]["content"]
+    raise UserError(f"{where}: column {column!r} must be text or chat turns, got {type(value).__name__}")
+
+
+def read_file(path: str) -> tuple[list[Any], list[str]]:
+    """The records of a JSONL, JSON, CSV or Parquet file and where each one is (file:line, or file[index])."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{path}: no such file")
+    kind = file.suffix.lower()
+    if kind == ".jsonl":
+        records = read_jsonl(file, required=())
+        return records, [f"{path}:{i + 1}" for i in range(len(records))]  # read_jsonl skips no line
+    if kind == ".json":
+        try:
+            records = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: cannot read it as JSON: {e}") from None
+        if not isinstance(records, list):
+            raise UserError(f"{path}: expected a JSON array of objects, got {type(records).__name__}")
+        return records, [f"{path}[{i}]" for i in range(len(records))]
+    if kind == ".csv":
+        return read_csv(file, path)
+    if kind == ".parquet":
+        import pyarrow.parquet as pq  # installed with `datasets`; only Parquet files need it
+
+        try:
+            records = pq.read_table(file).to_pylist()
+        except Exception as e:  # noqa: BLE001 - whatever pyarrow says of a bad file becomes one line naming it
+            raise UserError(f"{path}: cannot read it as Parquet: {str(e).splitlines()[0][:200]}") from None
+        return records, [f"{path}[{i}]" for i in range(len(records))]
+    raise UserError(f"{path}: unknown file type {kind or '(none)'!r}; use .jsonl, .json, .csv or .parquet, or "
+                    f"hub:NAME[:CONFIG]")
+
+
+def read_csv(file: Path, path: str) -> tuple[list[dict], list[str]]:
+    """The rows of a CSV file with a header line, as text; a row with more or fewer fields names its line."""
+    records, where = [], []
+    try:
+        with open(file, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, [])
+            for row in reader:
+                if not row:  # a blank line
+                    continue
+                if len(row) != len(header):
+                    raise UserError(f"{path}:{reader.line_num}: {len(row)} fields where the header has {len(header)}")
+                records.append(dict(zip(header, row)))
+                where.append(f"{path}:{reader.line_num}")
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{path}: cannot read it as CSV: {e}") from None
+    return records, where
+
+
+def make_task(settings: Settings, objects: dict[str, Any] | None = None) -> CustomTask:
+    """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables)."""
+    data = Data(settings, objects or {})
+    return CustomTask(name="custom", load=data.load, grade=data, split_steps=make_splitter(settings.steps),
+                      prompt_template="{problem}", instruction="", stop=(), lenient=None,
+                      step_tokens=token_steps(settings.steps), settings=settings, data=data)
+
+
+register(make_task(Settings()))
