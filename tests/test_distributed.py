@@ -205,7 +205,7 @@ def test_device_auto_on_single_gpu(monkeypatch):
     """--device auto on a machine with CUDA resolves to a CUDA device, in one place, for every command."""
     import vineppo.distributed as dist
     from vineppo.errors import UserError
-    from vineppo.models import pick_device
+    from vineppo.distributed import pick_device
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

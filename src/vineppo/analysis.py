@@ -46,10 +46,11 @@ from rich.table import Table
 from vineppo import config as configs
 from vineppo.config import ENGINES, check_engine
 from vineppo.credit import next_round
+from vineppo.distributed import pick_device
 from vineppo.engine import SamplingParams, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import continuation_reward, outcome_reward
-from vineppo.models import load_model, pick_device
+from vineppo.models import load_model
 from vineppo.ppo import Critic
 from vineppo.prompts import HELP, Prompter
 from vineppo.runs import output_folder

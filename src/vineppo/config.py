@@ -24,9 +24,9 @@ from typing import Any, Callable
 import yaml
 
 from vineppo.errors import UserError
-from vineppo.prompts import FORMAT
 
 PRESETS = Path(__file__).parent / "configs"
+FORMAT = re.compile(r"auto|plain|chat|fewshot:[1-9]\d*")  # a prompt format's name (vineppo.prompts builds each)
 
 @dataclass(frozen=True)
 class Algo:

@@ -10,9 +10,21 @@ import os
 import torch
 import torch.distributed as tdist
 
-from vineppo.models import pick_device
+from vineppo.errors import UserError
 
 _joined = None  # the group init() joined: shutdown() ends only that one (vLLM in this process makes its own)
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """The requested device, or cuda when available, else cpu."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
 
 
 def init(device: str = "auto") -> torch.device:

@@ -24,10 +24,7 @@ import sys
 import threading
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from vineppo.engine import Sample
+from typing import Callable, Protocol, runtime_checkable
 
 MATH_TIMEOUT = 5.0  # seconds per grade_math call, hard
 MAX_ANSWER_CHARS = 2000  # longer boxed answers are compared as strings only: no real answer is that long
@@ -53,6 +50,14 @@ def parse_number(text: str) -> Decimal | None:
         return Decimal(m.group(1).replace(",", "").replace("$", "").replace(" ", ""))
     except InvalidOperation:
         return None
+
+
+class Sample(Protocol):
+    """What grading reads of a sampled continuation (vineppo.engine.Sample is one; grading sits below the engine)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
 
 
 def outcome_reward(grade: Callable[[str, str], float], text: str, answer: str, finish_reason: str) -> float:

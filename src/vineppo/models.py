@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 import re
 import sys
 from pathlib import Path
@@ -28,8 +27,9 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, Llama
                           PreTrainedTokenizerFast, Qwen2Config)
 from transformers.utils import logging as hf_logging
 
+from vineppo.distributed import pick_device
 from vineppo.errors import UserError
-from vineppo.tasks.data import reachable
+from vineppo.hub import offline, reachable
 
 EOS = "<|endoftext|>"
 TINY_SIZE = dict(hidden=128, layers=4, heads=4)  # default tiny model (0.9M params); mlp = 3x (llama/qwen2), 4x (gpt2)
@@ -49,18 +49,6 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
     Read off the transformers model inside: a LoRA (peft) model's own forward takes **kwargs."""
     return "cache" if "cache" in inspect.signature(pretrained(model).forward).parameters else "past_key_values"
-
-
-def pick_device(device: str | None = None) -> torch.device:
-    """The requested device, or cuda when available, else cpu."""
-    if device in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device {device!r} requested but CUDA is not available; use --device cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
 
 
 def seeded_generator(model: torch.nn.Module, seed: int) -> torch.Generator:
@@ -97,10 +85,6 @@ def quiet_transformers() -> None:
     """Turn off transformers' per-file progress bars and info logs (our commands draw their own)."""
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
-def _offline() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _looks_local(name: str) -> bool:
@@ -169,7 +153,7 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
                         f"unfinished one)")
     # A hub id offline, or with the hub unreachable, may come from the local cache only: checked first, as
     # transformers retries for about a minute before failing.
-    local_only = not hub or _offline() or not reachable()
+    local_only = not hub or offline("TRANSFORMERS_OFFLINE") or not reachable()
     try:
         if gguf is not None:
             model, tokenizer = _load_gguf(gguf, torch_dtype)
@@ -180,7 +164,7 @@ def load_model(path_or_hub_id: str | Path, device: str | None = None, dtype: str
     except (OSError, ValueError, SafetensorError) as e:
         why = str(e).strip().splitlines()[0][:200]
         if hub and local_only:
-            why = "not in the local cache and " + ("HF_HUB_OFFLINE is set" if _offline() else
+            why = "not in the local cache and " + ("HF_HUB_OFFLINE is set" if offline("TRANSFORMERS_OFFLINE") else
                                                   "huggingface.co cannot be reached; pass a local model folder")
         elif isinstance(e, SafetensorError):
             why = f"its weights are damaged or truncated ({why})"

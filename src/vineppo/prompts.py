@@ -19,9 +19,9 @@ turn with the text alone (the task has no instruction).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from vineppo.config import FORMAT
 from vineppo.errors import UserError
 from vineppo.tasks import Example, Task
 
@@ -30,7 +30,6 @@ HELP = "plain, chat, fewshot:N or auto (default: the model folder's recorded for
        "tokenizer has a chat template, else plain)"
 
 
-FORMAT = re.compile(r"auto|plain|chat|fewshot:[1-9]\d*")  # a format's name (config.RULES checks it too)
 
 
 def check_format(spec: str) -> str:

@@ -27,8 +27,9 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vineppo import config as configs
+from vineppo.distributed import pick_device
 from vineppo.errors import UserError
-from vineppo.models import context_length, load_model, pick_device, tiny_model
+from vineppo.models import context_length, load_model, tiny_model
 from vineppo.prompts import HELP, Prompter, check_format, save_format
 from vineppo.runs import make_folder
 from vineppo.tasks import DATA_HELP, custom, get_task

@@ -27,7 +27,7 @@ from vineppo import lora, parallel, runs
 from vineppo.algorithms import Context, get_algorithm, needs_reference
 from vineppo.config import TrainConfig, check_engine
 from vineppo.credit import Episode, groups
-from vineppo.engine import Engine, SamplingParams, make_engine
+from vineppo.engine import RolloutEngine, SamplingParams, make_engine
 from vineppo.engine.budget import auto_token_budget, update_reserve
 from vineppo.errors import RewardError, UserError
 from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
@@ -35,13 +35,12 @@ from vineppo.grading import outcome_rewards
 from vineppo.models import context_length, disable_dropout, load_model
 from vineppo.ppo import Critic
 from vineppo.prompts import Prompter
-from vineppo.sft import default_model
+from vineppo.sft import default_model, is_saved_model
 from vineppo.steps import every_n_tokens, step_token_ranges, token_char_offsets
-from vineppo.tasks import Example, Task, get_task
+from vineppo.tasks import TASKS, Example, Task, get_task
 from vineppo.tracking import Tracker, console, plot_run, progress_bar
 
 # without --config a run uses configs/<task>.yaml, or the preset named here (None: TrainConfig's defaults alone)
-TASK_PRESETS: dict[str, str | None] = {"arith": "arith-tiny", "custom": None}
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 
 
@@ -128,8 +127,8 @@ class Run:
     tokenizer: Any
     models: Models
     sampler: torch.nn.Module  # what the engine samples from: the policy, or the frozen SFT model (DPO+'s offline samples)
-    engine: Engine
-    eval_engine: Engine  # samples the policy: the engine itself when it does, else a native one
+    engine: RolloutEngine
+    eval_engine: RolloutEngine  # samples the policy: the engine itself when it does, else a native one
     params: SamplingParams  # the training responses' sampling settings
     ctx: Context  # what the algorithm is handed; its generators are set per iteration
     tracker: Tracker
@@ -206,15 +205,14 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state.iteration if resume else None, enabled=main)
     bar = Bar(cfg, state.iteration, enabled=main)
-    run = Run(cfg=cfg, out=out, device=device, task=task, algorithm=algorithm, train_set=train_set, test_set=test_set,
-              val_set=val_set, prompter=prompter, tokenizer=tokenizer, models=models, sampler=sampler, engine=engine,
-              eval_engine=eval_engine, params=params, ctx=None, tracker=tracker, bar=bar, state=state,
-              watch=_SignalWatch(enabled=main), clock=time.perf_counter() - state.wall_clock_s)
-    run.ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
-                      tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic,
-                      critic_opt=models.trained.critic_opt, status=bar.status,
-                      sampling=lambda: run.sampling(sampler, models.trained.critic))
-    return run
+    ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
+                  tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic,
+                  critic_opt=models.trained.critic_opt, status=bar.status,
+                  sampling=lambda: parallel.sampling(device, cfg.dtype, sampler, models.trained.critic))
+    return Run(cfg=cfg, out=out, device=device, task=task, algorithm=algorithm, train_set=train_set, test_set=test_set,
+               val_set=val_set, prompter=prompter, tokenizer=tokenizer, models=models, sampler=sampler, engine=engine,
+               eval_engine=eval_engine, params=params, ctx=ctx, tracker=tracker, bar=bar, state=state,
+               watch=_SignalWatch(enabled=main), clock=time.perf_counter() - state.wall_clock_s)
 
 
 def _token_budget(cfg: TrainConfig, sampler: torch.nn.Module, models: Models, main: bool) -> int:
@@ -518,6 +516,10 @@ def _sft_model(cfg: TrainConfig, train_missing: bool = True) -> Path | str:
     """The starting model: the given one, or the task's default SFT model (`sft.default_model`)."""
     if cfg.model != "auto":
         return cfg.model
+    folder = default_model(cfg.task, cfg.data, train_missing=False)
+    if train_missing and not is_saved_model(folder):
+        console.print(f"--model auto: no SFT model of {cfg.task} yet; training one first with `vineppo sft`'s defaults "
+                      f"(saved to {folder} and reused by later runs), then RL", highlight=False, soft_wrap=True)
     return default_model(cfg.task, cfg.data, train_missing)
 
 
@@ -530,19 +532,20 @@ def _run_dir(cfg: TrainConfig) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo train`: --config, --resume, --json, and one flag per TrainConfig field."""
-    p.add_argument("--config", default=None, help="preset name or YAML file (default: the task's preset: "
-                   "arith-tiny for arith, gsm8k for gsm8k, math for math; none for custom)")
+    presets = "; ".join(f"{t.preset or 'none'} for {t.name}" for t in TASKS.values() if t.preset is not None)
+    p.add_argument("--config", default=None, help=f"preset name or YAML file (default: the task's preset: {presets})")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     configs.add_config_arguments(p)
 
 
 def task_preset(task: str) -> str | None:
-    """The preset a run of `task` uses without --config: the one named in TASK_PRESETS, else the task's name."""
-    name = TASK_PRESETS.get(task, task)
-    if name is not None and not (configs.PRESETS / f"{name}.yaml").is_file():
+    """The preset a run of `task` uses without --config (Task.preset; None: TrainConfig's defaults alone)."""
+    if task not in TASKS:
+        raise UserError(f"unknown task {task!r}; known tasks: {', '.join(sorted(TASKS))}")
+    if TASKS[task].preset is None:
         raise UserError(f"task {task!r} has no preset of its own; pass --config PRESET|FILE.yaml")
-    return name
+    return TASKS[task].preset or None
 
 
 def run(args: argparse.Namespace) -> int:

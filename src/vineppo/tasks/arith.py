@@ -339,5 +339,5 @@ def _left_out(said: list, wanted: list) -> list[int] | None:
     return out if j == len(said) else None
 
 
-register(Task(name="arith", load=load_arith, grade=grade_gsm8k, split_steps=split_newlines, extract=extract_gsm8k,
+register(Task(name="arith", preset="arith-tiny", load=load_arith, grade=grade_gsm8k, split_steps=split_newlines, extract=extract_gsm8k,
               behaviour=behaviour, behaviours=BEHAVIOURS))

@@ -56,6 +56,8 @@ class Task:
     behaviour: Callable[[Example, str], str] | None = None
     behaviours: tuple[str, ...] = ()
     step_tokens: int = 0  # > 0: a response's steps are runs of this many tokens, not `split_steps` (custom tokens:N)
+    preset: str | None = None  # the preset `vineppo train --task NAME` uses without --config ("": TrainConfig's
+    # defaults; None: none, --config is required)
 
     def configured(self, settings: Any) -> Task:
         """The task for a command's settings (its flags, or a TrainConfig): itself; `custom` reads its own."""

@@ -314,7 +314,7 @@ def read_csv(file: Path, path: str) -> tuple[list[dict], list[str]]:
 def make_task(settings: Settings, objects: dict[str, Any] | None = None) -> CustomTask:
     """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables)."""
     data = Data(settings, objects or {})
-    return CustomTask(name="custom", load=data.load, grade=data, split_steps=make_splitter(settings.steps),
+    return CustomTask(name="custom", preset="", load=data.load, grade=data, split_steps=make_splitter(settings.steps),
                       prompt_template="{problem}", instruction="", stop=(), lenient=None,
                       step_tokens=token_steps(settings.steps), settings=settings, data=data)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import threading
 from pathlib import Path
 
+from typing import Callable
+
 from vineppo.errors import UserError
+from vineppo.hub import offline, reachable
+from vineppo.tasks.base import Example
 
 N_VALIDATION = 500  # problems carved from train into a validation split
 VALIDATION_SEED = 20240601  # fixed, so every run (whatever its --seed) sees the same validation split
@@ -53,35 +54,13 @@ def check_fields(record: dict, required: tuple[str, ...], optional: tuple[str, .
             raise UserError(f"{where}: field {name!r} must be a string, got {type(record[name]).__name__}")
 
 
-def _offline() -> bool:
-    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
-
-
-def reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the Hub opens within `timeout` seconds (DNS included, hence the thread)."""
-    ok = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            ok.append(True)
-        except OSError:
-            pass
-
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout)
-    return bool(ok)
-
-
 def load_hub(repo: str, config: str | None, split: str, task: str, required: tuple[str, ...],
              optional: tuple[str, ...] = ()) -> list[dict]:
     """Records of a Hugging Face Hub data set split; offline or unreachable, a one-line UserError at once."""
     hint = f"pass a local JSONL file with --data PATH (task {task!r}, hub data set {repo})"
     # With HF_HUB_OFFLINE set, `datasets` uses its cache and never touches the network; without it, we test
     # the connection ourselves because a firewalled host can make `datasets` wait for minutes.
-    if not _offline() and not reachable():
+    if not offline("HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE") and not reachable():
         raise UserError(f"cannot reach huggingface.co to download {repo}; {hint}")
     try:
         import datasets  # optional dependency: only for hub data sets
@@ -111,3 +90,19 @@ def check_split(task: str, split: str, splits: tuple[str, ...]) -> None:
     """A UserError unless `split` is one of the task's splits."""
     if split not in splits:
         raise UserError(f"task {task!r} has no split {split!r}; splits: {', '.join(splits)}")
+
+
+def load_examples(task: str, split: str, path: str | None, hub: tuple[str, str | None, str],
+                  parse: Callable[[dict, str], tuple[str, str, str]], **fields: tuple[str, ...]) -> list[Example]:
+    """The Examples of `split` from the JSONL `path`, else the hub split `hub` (repo, config, split): test is the whole
+    source, train and validation a fixed carve of it; `parse(record, where)` gives (problem, solution, answer); ids
+    are `<task>-<source>-<index>`, so a problem keeps its id whichever split it lands in."""
+    source = "test" if split == "test" else "train"
+    records = load_hub(*hub, task=task, **fields) if path is None else read_jsonl(path, **fields)
+    pairs = list(enumerate(records)) if split == "test" else carve(records, split)
+    out = []
+    for i, record in pairs:
+        where = f"{path}:{i + 1}" if path is not None else f"hub {hub[0]} {hub[2]} record {i}"  # line = index + 1
+        problem, solution, answer = parse(record, where)
+        out.append(Example(id=f"{task}-{source}-{i}", problem=problem, solution=solution, answer=answer))
+    return out

@@ -15,7 +15,7 @@ from vineppo.errors import UserError
 from vineppo.grading import extract_gsm8k, grade_gsm8k
 from vineppo.steps import split_newlines
 from vineppo.tasks.base import Example, Task, register
-from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
+from vineppo.tasks.data import check_split, load_examples
 
 HUB = ("openai/gsm8k", "main")
 SPLITS = ("train", "validation", "test")
@@ -36,20 +36,9 @@ def parse_record(record: dict, where: str) -> tuple[str, str, str]:
 def load_gsm8k(split: str, path: str | None = None, seed: int = 0) -> list[Example]:
     """GSM8K problems of `split` from `path` (JSONL) or the hub; `seed` is unused (the validation carve is fixed)."""
     check_split("gsm8k", split, SPLITS)
-    source = "test" if split == "test" else "train"
-    fields = ("question", "answer")
-    if path is None:
-        records = load_hub(*HUB, split=source, task="gsm8k", required=fields)
-    else:
-        records = read_jsonl(path, required=fields)
-    pairs = list(enumerate(records)) if split == "test" else carve(records, split)
-    out = []
-    for i, record in pairs:
-        loc = f"{path}:{i + 1}" if path is not None else f"hub {HUB[0]} {source} record {i}"  # line = index + 1
-        problem, solution, answer = parse_record(record, loc)
-        out.append(Example(id=f"gsm8k-{source}-{i}", problem=problem, solution=solution, answer=answer))
-    return out
+    hub = (*HUB, "test" if split == "test" else "train")
+    return load_examples("gsm8k", split, path, hub, parse_record, required=("question", "answer"))
 
 
-register(Task(name="gsm8k", load=load_gsm8k, grade=grade_gsm8k, split_steps=split_newlines, splits=SPLITS,
+register(Task(name="gsm8k", preset="gsm8k", load=load_gsm8k, grade=grade_gsm8k, split_steps=split_newlines, splits=SPLITS,
               extract=extract_gsm8k))

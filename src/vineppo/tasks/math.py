@@ -14,7 +14,7 @@ from vineppo.errors import UserError
 from vineppo.grading import extract_math, grade_math, last_boxed, lenient_math
 from vineppo.steps import split_math
 from vineppo.tasks.base import BOXED_ANSWER, Example, Task, register
-from vineppo.tasks.data import carve, check_split, load_hub, read_jsonl
+from vineppo.tasks.data import check_split, load_examples
 
 HUB_TEST = ("HuggingFaceH4/MATH-500", None, "test")
 HUB_TRAIN = ("DigitalLearningGmbH/MATH-lighteval", None, "train")
@@ -36,21 +36,9 @@ def parse_record(record: dict, where: str) -> tuple[str, str, str]:
 def load_math(split: str, path: str | None = None, seed: int = 0) -> list[Example]:
     """MATH problems of `split` from `path` (JSONL) or the hub; `seed` is unused (the validation carve is fixed)."""
     check_split("math", split, SPLITS)
-    source = "test" if split == "test" else "train"
     hub = HUB_TEST if split == "test" else HUB_TRAIN
-    fields = {"required": ("problem", "solution"), "optional": ("answer",)}
-    if path is None:
-        records = load_hub(*hub, task="math", **fields)
-    else:
-        records = read_jsonl(path, **fields)
-    pairs = list(enumerate(records)) if split == "test" else carve(records, split)
-    out = []
-    for i, record in pairs:
-        loc = f"{path}:{i + 1}" if path is not None else f"hub {hub[0]} {hub[2]} record {i}"
-        problem, solution, answer = parse_record(record, loc)
-        out.append(Example(id=f"math-{source}-{i}", problem=problem, solution=solution, answer=answer))
-    return out
+    return load_examples("math", split, path, hub, parse_record, required=("problem", "solution"), optional=("answer",))
 
 
-register(Task(name="math", load=load_math, grade=grade_math, split_steps=split_math, splits=SPLITS,
+register(Task(name="math", preset="math", load=load_math, grade=grade_math, split_steps=split_math, splits=SPLITS,
               instruction=BOXED_ANSWER, extract=extract_math, lenient=lenient_math))
