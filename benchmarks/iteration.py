@@ -48,16 +48,21 @@ def summary(runs: list[list[dict]]) -> dict:
             **{f"median_{p.split('/')[1]}": statistics.median(x[p] for x in every) for p in PARTS}}
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags of a benchmark made of `run`s (this one and dtype.py)."""
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--src", default="", help="a checkout's src/ folder to run instead of the installed package")
     ap.add_argument("--json", action="store_true")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_arguments(ap)
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     runs: dict[str, list] = {"vineppo": [], "grpo": []}
     with tempfile.TemporaryDirectory() as tmp:

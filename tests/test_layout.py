@@ -60,6 +60,7 @@ LAYERS = [
     ["engine.native", "engine.vllm_backend"],
     ["engine"],
     ["minibatch", "ppo", "credit", "runs"],
+    ["guard"],
     ["algorithms", "sft", "analysis", "inspect", "export"],
     ["evaluate", "localisation", "compare"],
     ["train"],

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from vineppo import config as configs
 from vineppo import distributed as dist
-from vineppo import lora, parallel
+from vineppo import guard, lora, parallel
 from vineppo.config import TrainConfig
 from vineppo.credit import CreditContext, Episode, get_estimator, groups
 from vineppo.engine import SamplingParams
@@ -116,6 +116,7 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     metrics.update(loss_advantages(data, update_cfg))
     nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
                    critic_optimizer=ctx.critic_opt)
+    metrics.update({f"guard/{name}": gap for name, gap in guard.check(nets, data, update_cfg).items()})
     stats = ppo_update(nets, data, update_cfg, ctx.order_generator)
     for net in (ctx.policy, ctx.critic):
         if net is not None:

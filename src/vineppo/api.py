@@ -52,7 +52,7 @@ def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[
     under 'results' (vineppo.evaluate.evaluate)."""
     cfg, task = _with_task(config, None, eval_data, reward)
     examples = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems or None]
-    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
     prompter = Prompter(task, tokenizer, cfg.prompt_format, model=cfg.model, data=cfg.data, seed=cfg.data_seed)
     engine = make_engine(cfg.engine, model, tokenizer, model_dir=cfg.model, token_budget=cfg.token_budget)
     settings = evaluation.EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed)

@@ -128,7 +128,8 @@ class TrainConfig:
     cuda_graphs: bool = True  # native engine on CUDA: decode steps replayed as CUDA graphs (false: eager steps)
     engine: str = "native"  # rollout backend: native | vllm (vLLM, its own copy of the weights; extra vineppo[vllm])
     fsdp: bool = False  # under torchrun, shard policy, reference and critic over the ranks (FSDP2, per decoder layer)
-    dtype: str = "float32"  # float32 | bfloat16: bf16 autocast; trained weights and AdamW state stay float32
+    dtype: str = "float32"  # float32 | bfloat16 | auto: bf16 autocast (trained weights and AdamW state stay float32);
+    # auto: bf16 on a GPU that has it, float32 on a CPU (where bf16 autocast measured no faster)
     # (frozen weights, the reference and LoRA's base, are held in bf16)
     gradient_checkpointing: bool = False  # recompute the policy's and critic's activations in the backward pass
     lora_r: int = 0  # LoRA rank (0: train every weight); the KL reference is then the model with its adapters off
@@ -191,7 +192,7 @@ RULES: dict[str, Rule] = {
     "scale_rewards": (lambda v: v in REWARD_SCALES, f"must be one of {', '.join(REWARD_SCALES)}"),
     "time_budget_s": NON_NEGATIVE, "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
-    "token_budget": AT_LEAST_0, "dtype": (lambda v: v in ("float32", "bfloat16"), "must be float32 or bfloat16"),
+    "token_budget": AT_LEAST_0, "dtype": (lambda v: v in ("float32", "bfloat16", "auto"), "must be float32, bfloat16 or auto"),
     "lora_r": AT_LEAST_0, "lora_alpha": POSITIVE, "lora_targets": (lambda v: v.strip(",  ") != "", "must name modules"),
     "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
     "restem_keep": AT_LEAST_1, "dpo_pairs": AT_LEAST_1, "dpo_beta": POSITIVE, "dpo_lambda": NON_NEGATIVE,

@@ -124,6 +124,30 @@ def autocast(device: torch.device, dtype: str) -> torch.autocast | nullcontext:
     return torch.autocast(device.type, dtype=low) if low is not None else nullcontext()
 
 
+def pick_dtype(dtype: str, device: torch.device) -> str:
+    """`--dtype auto`: bfloat16 on a GPU that has it, float32 elsewhere (on the CPUs measured bf16 autocast was no
+    faster: docs/models-and-gpus.md); any other value as given."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
+def round_weights(model: nn.Module, dtype: str) -> nn.Module:
+    """Trainable float32 weights rounded to values `dtype` represents exactly, so autocast computes with them.
+
+    A checkpoint stored in float16 has about 8% of its weights exactly halfway between two bf16 values.
+    Autocast rounds such a tie to the even neighbour; the first optimiser step moves the float32 weight off
+    the tie by ~lr, and every one of them then rounds a whole bf16 spacing (~25x the step) towards the
+    gradient: a coherent jump that took the SmolLM2 preset's first update to a KL of ~1,500 on a CPU."""
+    low = DTYPES[dtype]
+    if low is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and p.dtype == torch.float32:
+                    p.copy_(p.to(low))
+    return model
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the gradients' global norm (over all shards) to max_norm; returns the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

@@ -443,8 +443,8 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
         b = pack([prompts[i] for i in idx], [responses[i] for i in idx], data.pad_id,
                  [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share).to(device)
         packed["batch"] = b
-        old = _stack([old_logp[i] for i in idx], b.mask.shape, device)
-        ref = _stack([ref_logp[i] for i in idx], b.mask.shape, device) if ref_logp is not None else None
+        old = pad_rows([old_logp[i] for i in idx], b.mask.shape, device)
+        ref = pad_rows([ref_logp[i] for i in idx], b.mask.shape, device) if ref_logp is not None else None
         with parallel.autocast(device, cfg.dtype):
             logp, entropy = token_logprobs(policy, b, cfg.temperature)
         w = b.mask * torch.tensor([token_w[i] for i in idx] or [0.0], device=device)[:, None]
@@ -519,7 +519,8 @@ def micro_batches(indices: list[int], prompts: list[list[int]], size: int, respo
     return aligned(batches + ([cur] if cur else []))
 
 
-def _stack(rows: list[torch.Tensor], shape: torch.Size, device: torch.device) -> torch.Tensor:
+def pad_rows(rows: list[torch.Tensor], shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Per-episode token rows in a zero [B, R] tensor, cut at R."""
     out = torch.zeros(shape, device=device)
     for j, r in enumerate(rows):
         out[j, : len(r)] = r[: shape[1]]

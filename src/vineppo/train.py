@@ -167,6 +167,10 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task
 def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None) -> Run:
     """Folder and data checks before any model loads, then the models, engines, tracker and (on resume) state."""
     main = dist.is_main()
+    if cfg.dtype == "auto":  # resolved once, so config.yaml (and a resume) records what the run computes in
+        cfg = dataclasses.replace(cfg, dtype=parallel.pick_dtype(cfg.dtype, device))
+        if main:
+            console.print(f"--dtype auto: {cfg.dtype} on this {device.type}", highlight=False)
     task = task or get_task(cfg.task, cfg)
     algorithm = get_algorithm(cfg)
     found = runs.resume_point(out, cfg.iterations) if resume else []
@@ -379,6 +383,7 @@ def policy_dtype(cfg: TrainConfig) -> str | None:
 
 def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device) -> Models:
     """Reference, critic, LoRA adapters, sharding or replication, and optimisers around the loaded `policy`."""
+    parallel.round_weights(policy, cfg.dtype)  # before the copies: reference and critic start from the same values
     critic = Critic.from_model(policy).float() if cfg.estimator == "gae" else None  # a copy; trained in float32
     for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
         if net is not None:
