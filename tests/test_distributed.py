@@ -1,12 +1,14 @@
 """Data parallelism on CPU with gloo: the same update with 2 processes as with 1 (replicated with DDP, or sharded
 with FSDP2), and 2-process runs that resume on 1."""
 
+import faulthandler
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,17 @@ def _fine_tune(ids, fsdp=False):
 def _worker(rank, store, out, fsdp, fn=_update):
     import torch.distributed as tdist
 
+    log = open(f"{out}.rank{rank}.log", "w")  # the worker's own traceback, even when a signal ends it (_spawn)
+    faulthandler.enable(file=log)
+    try:
+        _work(rank, store, out, fsdp, fn, tdist)
+    except BaseException:
+        traceback.print_exc(file=log)
+        log.flush()
+        raise
+
+
+def _work(rank, store, out, fsdp, fn, tdist):
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     params = fn([0, 2, 4, 6, 7] if rank == 0 else [1, 3, 5], fsdp)  # uneven shares: rank 1 idles some steps
@@ -108,6 +121,26 @@ def _worker(rank, store, out, fsdp, fn=_update):
     tdist.destroy_process_group()
 
 
+def _spawn(tmp_path, fsdp, fn=_update):
+    """Two workers running `fn`; a failure shows each worker's own traceback, not only spawn's."""
+    out = tmp_path / "params.pt"
+    try:
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(out), fsdp, fn), nprocs=2, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        logs = "\n".join(f"--- rank {r} ---\n{Path(f'{out}.rank{r}.log').read_text()}" for r in range(2)
+                         if Path(f"{out}.rank{r}.log").exists())
+        raise AssertionError(f"a worker failed: {e}\n{logs}") from None
+    return torch.load(out)
+
+
+def _check(cmd, **kw):
+    """subprocess.run(cmd) that fails with the command's own output (every rank's traceback), not only its code."""
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, **kw)
+    assert done.returncode == 0, (f"{' '.join(cmd[-8:])} exited {done.returncode}:\n"
+                                  f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return done
+
+
 # Two ranks sum their gradients in another order than one process; AdamW at lr 1e-2 turns that rounding, on
 # entries whose gradient is near 0, into weight differences of up to 1.3e-5 (transformers 5.24, torch 2.13).
 ATOL = 1e-4
@@ -116,8 +149,7 @@ ATOL = 1e-4
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_update_with_two_processes_equals_one(tmp_path, fsdp):
     single = _update(list(range(8)))  # one process encodes shared prompts once; the ranks pack each with its response
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "params.pt"), fsdp), nprocs=2, join=True)
-    double = torch.load(tmp_path / "params.pt")
+    double = _spawn(tmp_path, fsdp)
     start = {**_model().state_dict(), **{f"critic.{k}": v for k, v in _critic().state_dict().items()}}
     assert any(not torch.equal(start[k], single[k]) for k in single if not k.startswith("critic."))
     assert any(not torch.equal(start[k], single[k]) for k in single if k.startswith("critic."))
@@ -129,9 +161,7 @@ def test_update_with_two_processes_equals_one(tmp_path, fsdp):
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_restem_and_dpo_steps_with_two_processes_equal_one(tmp_path, fsdp):
     single = _fine_tune(list(range(8)))
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "params.pt"), fsdp, _fine_tune), nprocs=2,
-             join=True)
-    double = torch.load(tmp_path / "params.pt")
+    double = _spawn(tmp_path, fsdp, _fine_tune)
     start = _model().state_dict()
     assert any(not torch.equal(start[k], single[k]) for k in single)  # the steps did move the weights
     assert single.keys() == double.keys()
@@ -153,8 +183,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_two_process_run_counts_every_episode_and_state_once(tiny_sft, tmp_path, fsdp):
     out = tmp_path / "run"
-    subprocess.run(_torchrun(2, "--model", str(tiny_sft), "--iterations=2", "--out", str(out), f"--fsdp={fsdp}",
-                             *SMALL), check=True, env=ENV, capture_output=True, timeout=600)
+    _check(_torchrun(2, "--model", str(tiny_sft), "--iterations=2", "--out", str(out), f"--fsdp={fsdp}", *SMALL),
+           timeout=600)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
@@ -194,8 +224,7 @@ def test_killed_two_process_run_resumes_on_one(tiny_sft, tmp_path, flags):
     _kill_tree(proc.pid)
     proc.wait()
     assert latest.read_text().strip() < "iter-000003", "the run finished before it could be killed"
-    subprocess.run([sys.executable, "-m", "vineppo", "train", "--resume", str(out)], check=True, env=ENV,
-                   capture_output=True, timeout=600)
+    _check([sys.executable, "-m", "vineppo", "train", "--resume", str(out)], timeout=600)
     rows = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3]
     assert json.loads((out / "summary.json").read_text())["iterations"] == 3
