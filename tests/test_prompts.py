@@ -8,7 +8,7 @@ from vineppo import config as configs
 from vineppo.engine import Engine
 from vineppo.errors import UserError
 from vineppo.models import tiny_config, train_tokenizer
-from vineppo.prompts import SAVED, Prompter, save_format
+from vineppo.prompts import SAVED, Prompter, save_format, saved_dtype
 from vineppo.sft import SFTConfig, collate, run_sft, tokenize_examples
 from vineppo.tasks import Task, get_task, register
 from vineppo.tasks.arith import load_arith
@@ -104,6 +104,11 @@ def test_sft_records_the_format_and_eval_reuses_it(tmp_path, plain_tok):
     (tmp_path / SAVED).write_text('{"prompt_format": 3}')
     with pytest.raises(UserError, match=SAVED):
         Prompter(MINI, plain_tok, model=tmp_path)
+    save_format(tmp_path, "plain", "bfloat16")
+    assert saved_dtype(tmp_path) == "bfloat16" and saved_dtype(out) is None  # an SFT folder records no dtype
+    (tmp_path / SAVED).write_text('{"prompt_format": "plain", "dtype": "int8"}')
+    with pytest.raises(UserError, match="dtype"):
+        saved_dtype(tmp_path)
 
 
 def test_every_end_of_turn_token_stops(chat_tok):

@@ -36,7 +36,7 @@ from vineppo.engine import SamplingParams, make_engine
 from vineppo.errors import UserError
 from vineppo.grading import outcome_reward, outcome_rewards
 from vineppo.models import context_length, load_model, seeded_generator
-from vineppo.prompts import HELP, Prompter, check_format
+from vineppo.prompts import HELP, Prompter, check_format, saved_dtype
 from vineppo.runs import output_folder
 from vineppo.sft import SHIPPED, default_model
 from vineppo.tasks import DATA_HELP, Example, Task, custom, get_task
@@ -245,7 +245,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype a run's checkpoint "
+                   "trained in, recorded in its vineppo.json, else float32)")
     p.add_argument("--engine", default="native", help=f"rollout backend: {' or '.join(ENGINES)} (default native)")
     p.add_argument("--token-budget", type=int, default=65536,
                    help="engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds)")
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         Path("runs") / (Path(name).name.removesuffix(".gguf") if Path(name).exists() else name.replace("/", "--"))
     out = Path(args.out) if args.out else saved / f"eval-{args.task}-{args.split}.jsonl"
     with output_folder(out.parent, f"--out {out}"):  # an unwritable --out fails before a slow model load
-        model, tokenizer = load_model(name, device=args.device, dtype=args.dtype)
+        model, tokenizer = load_model(name, device=args.device, dtype=args.dtype or saved_dtype(name))
     prompter = Prompter(task, tokenizer, args.prompt_format, model=name, data=args.data, seed=args.seed)
     engine = make_engine(args.engine, model, tokenizer, model_dir=name, token_budget=args.token_budget)
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

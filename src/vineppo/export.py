@@ -16,7 +16,7 @@ from vineppo import config as configs
 from vineppo import runs
 from vineppo.errors import UserError
 from vineppo.models import load_model
-from vineppo.prompts import save_format, saved_format
+from vineppo.prompts import save_format, saved_record
 from vineppo.sft import default_model
 
 
@@ -40,9 +40,9 @@ def export(run: Path, out: Path, checkpoint: str | None = None) -> dict:
     try:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
-        fmt = saved_format(ckpt)
-        if fmt:  # the format the run trained in, so eval and train of the export prompt as it learned
-            save_format(out, fmt)
+        record = saved_record(ckpt)
+        if record:  # the format (and dtype) the run trained in, so eval and train of the export do as it learned
+            save_format(out, record["prompt_format"], record.get("dtype"))
     except OSError as e:
         raise UserError(f"cannot write the model in {out}: {runs.reason(e)}") from None
     return {"checkpoint": str(ckpt), "out": str(out), "merged_adapters": adapters}

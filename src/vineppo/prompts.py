@@ -25,7 +25,8 @@ from vineppo.config import FORMAT
 from vineppo.errors import UserError
 from vineppo.tasks import Example, Task
 
-SAVED = "vineppo.json"  # in a model folder: {"prompt_format": ...}
+SAVED = "vineppo.json"  # in a model folder: {"prompt_format": ..., "dtype": ...}
+DTYPES = ("float32", "bfloat16", "float16")
 HELP = "plain, chat, fewshot:N or auto (default: the model folder's recorded format, else chat if the " \
        "tokenizer has a chat template, else plain)"
 
@@ -39,20 +40,37 @@ def check_format(spec: str) -> str:
     raise UserError(f"--prompt-format {spec!r}: use plain, chat, fewshot:N (N >= 1) or auto")
 
 
-def saved_format(model: str | Path | None) -> str | None:
-    """The prompt format recorded in a model folder, or None."""
+def saved_record(model: str | Path | None) -> dict:
+    """What a model folder's `vineppo.json` records (prompt_format; dtype for a run's checkpoint), or {}."""
     path = Path(str(model)) / SAVED if model is not None else None
     if path is None or not path.is_file():
-        return None
+        return {}
     try:
-        return check_format(json.loads(path.read_text())["prompt_format"])
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path}: expected {{\"prompt_format\": \"plain|chat|fewshot:N\"}}") from None
+        record = json.loads(path.read_text())
+        check_format(record["prompt_format"])
+        if record.get("dtype") not in (None, *DTYPES):
+            raise ValueError(record["dtype"])
+        return record
+    except (ValueError, KeyError, TypeError, UserError):
+        raise UserError(f"{path}: expected {{\"prompt_format\": \"plain|chat|fewshot:N\"}} and optionally "
+                        f"\"dtype\": one of {', '.join(DTYPES)}") from None
 
 
-def save_format(folder: str | Path, fmt: str) -> None:
-    """Record the prompt format a model was trained with in its folder."""
-    (Path(folder) / SAVED).write_text(json.dumps({"prompt_format": fmt}) + "\n")
+def saved_format(model: str | Path | None) -> str | None:
+    """The prompt format recorded in a model folder, or None."""
+    return saved_record(model).get("prompt_format")
+
+
+def saved_dtype(model: str | Path | None) -> str | None:
+    """The dtype a run's checkpoint trained in (its forward passes: bf16 under bf16 autocast), or None."""
+    return saved_record(model).get("dtype")
+
+
+def save_format(folder: str | Path, fmt: str, dtype: str | None = None) -> None:
+    """Record the prompt format a model was trained with in its folder (and, for a run's checkpoint, the dtype its
+    forward passes ran in: `vineppo eval` loads it so by default)."""
+    record = {"prompt_format": fmt} | ({"dtype": dtype} if dtype else {})
+    (Path(folder) / SAVED).write_text(json.dumps(record) + "\n")
 
 
 class Prompter:

@@ -298,9 +298,10 @@ class Trained:
 
 
 def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: int,
-                    prompt_format: str | None = None) -> None:
+                    record: tuple[str, str] | None = None) -> None:
     """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep`;
-    `prompt_format` is recorded in it (vineppo.prompts), so it evaluates and trains in the format it learned.
+    `record` (prompt format, dtype) goes in it (vineppo.prompts), so it evaluates and trains in the format it
+    learned, and evaluates in the dtype it trained in.
 
     Rank 0 writes; with --fsdp every rank first gathers the whole weights to rank 0 and writes its own
     optimiser shard."""
@@ -324,8 +325,8 @@ def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: i
         parallel.unwrap(trained.policy).save_pretrained(tmp, safe_serialization=True,
                                                         **({"state_dict": weights} if sharded else {}))
         tokenizer.save_pretrained(tmp)
-        if prompt_format:
-            save_format(tmp, prompt_format)
+        if record:
+            save_format(tmp, *record)
         if not trained.fsdp:
             torch.save(trained.optimizer.state_dict(), tmp / "optimizer.pt")
         if trained.critic is not None:

@@ -289,7 +289,7 @@ def iteration(run: Run, it: int) -> bool:
     if last or (cfg.save_every and done % cfg.save_every == 0):
         run.bar.status("saving")
         runs.save_checkpoint(run.out, run.models.trained, run.tokenizer, state.to_json(), cfg.keep_checkpoints,
-                             prompt_format=run.prompter.format)
+                             record=(run.prompter.format, cfg.dtype))
     status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                         if "test/pass@1" in metrics else "")
     run.bar.advance(status)
