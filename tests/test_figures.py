@@ -69,6 +69,8 @@ COMPARE = "results/compare/compare.json"
 REAL = "results/real-model/rl-from-release/runs.json"
 FRESH = f"{MAIN}/fresh-clone.json"
 RERUN = tuple(f"results/real-model/bf16-rounded/{a}-s0-summary.json" for a in ("grpo", "vineppo"))
+F32 = tuple(f"results/real-model/float32-preset/{p}" for p in ("eval-grpo-s0.json", "eval-vineppo-s0.json",
+                                                                 "grpo-s0-summary.json", "vineppo-s0-summary.json"))
 BF16_EVALS = tuple(f"results/real-model/bf16-rounded/eval-grpo-s0-{d}.json" for d in ("float32", "bfloat16"))
 NAMES = {"vineppo": "VinePPO", "dr-grpo": "Dr. GRPO", "grpo": "GRPO", "dpo-positive": "DPO+", "grpo-trl": "GRPO-TRL",
          "rloo": "RLOO", "ppo": "PPO", "restem": "RestEM"}
@@ -173,6 +175,10 @@ FIGURES = [
     Figure("docs/performance.md", "| GRPO iteration, completion tokens/s (sampling 0.53 s + update 1.65 s) | 2,022 | "
            "TRL 1.16 `GRPOTrainer` 873 | **2.32×** TRL (1.98-2.82) |", (UPDATE,), _trl_row),
     Figure("README.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
+    Figure("README.md", "0.244 → 0.685 (GRPO) and 0.720 (VinePPO) in about 7 minutes of run", (REAL,) + F32,
+           lambda real, g, v, gs, vs: f"{real['base']['strict']:.3f} → {g['pass@1']:.3f} (GRPO) and "
+                                      f"{v['pass@1']:.3f} (VinePPO) in about "
+                                      f"{max(gs['wall_clock_s'], vs['wall_clock_s']) / 60:.0f} minutes of run"),
     Figure("docs/models-and-gpus.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
