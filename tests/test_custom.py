@@ -478,7 +478,7 @@ def test_a_conversational_task_trains_with_the_chat_template(tiny_sft, tmp_path)
     prompt, completion = seen[0]
     assert prompt[-1]["role"] == "user" and completion[0]["role"] == "assistant" and len(completion) == 1
     assert json.loads((tmp_path / "r" / "checkpoints" / "iter-000001" / "vineppo.json").read_text()) == \
-        {"prompt_format": "chat"}
+        {"prompt_format": "chat", "dtype": "float32"}  # and the dtype it trained in
 
 
 def test_inspect_data_on_a_custom_task(arith_files, tiny_sft, capsys):

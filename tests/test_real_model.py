@@ -110,7 +110,7 @@ def test_one_vineppo_iteration_on_arith_learns_something(smol, tmp_path):
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["train/reward"] > 0 and row["grad_norm"] > 0
     ckpt = tmp_path / "run" / "checkpoints" / "iter-000001"
-    assert json.loads((ckpt / SAVED).read_text()) == {"prompt_format": "fewshot:2"}
+    assert json.loads((ckpt / SAVED).read_text()) == {"prompt_format": "fewshot:2", "dtype": "float32"}
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.model_type == "llama"  # an ordinary checkpoint
 
 
