@@ -5,6 +5,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -290,6 +291,32 @@ def test_a_slow_reward_stops_at_its_time_limit():
     with time_limit(0.5):  # a call within its limit is not interrupted afterwards
         pass
     time.sleep(0.7)
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_IGN, "own", signal.default_int_handler], ids=["ignored", "own", "python"])
+def test_the_time_limit_holds_whatever_sigint_handler_the_process_inherited(inherited):
+    """A background job of a script starts with SIGINT ignored; the limit must still cut, a real Ctrl-C in the
+    block must do what the inherited handler does, and the handler must come back afterwards."""
+    seen = []
+    handler = (lambda signum, frame: seen.append(signum)) if inherited == "own" else inherited
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(RewardError, match="took more than 0.2 s"):
+            Rewards([("slow", lambda prompts, completions, **kw: time.sleep(10))], timeout_s=0.2)(_batch(["a"]))
+        assert time.perf_counter() - start < 5
+        assert signal.getsignal(signal.SIGINT) is handler
+        interrupts = inherited is signal.default_int_handler
+        try:
+            with time_limit(5):
+                signal.raise_signal(signal.SIGINT)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        assert interrupted == interrupts and seen == ([signal.SIGINT] if inherited == "own" else [])
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_reward_weights_must_match_the_functions():

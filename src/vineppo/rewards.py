@@ -184,16 +184,23 @@ def checked(name: str, out: Any, batch: Batch) -> list[float | None]:
     return [None if v is None else float(v) for v in values]
 
 
+class _Expired(BaseException):
+    """The time limit's own interrupt: a BaseException, so a reward's `except Exception` does not swallow it."""
+
+
 @contextmanager
 def time_limit(seconds: float):
     """Raise TimeoutError in the block once `seconds` pass (0, or outside the main thread: no limit).
 
-    A timer thread sends the main thread SIGINT (a KeyboardInterrupt there, which wakes a sleeping call), so the
-    user's own SIGALRM timers (math-verify's) are left alone; C code that never returns to Python runs on."""
+    A timer thread sends the main thread SIGINT, which wakes a sleeping call, so the user's own SIGALRM timers
+    (math-verify's) are left alone; C code that never returns to Python runs on. The block has its own SIGINT
+    handler: a process started with SIGINT ignored (a background job of a script, some job schedulers) would
+    otherwise never see the timer's signal. A real Ctrl-C in the block does what the previous handler does."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
     fired, lock, armed = threading.Event(), threading.Lock(), [True]
+    previous = signal.getsignal(signal.SIGINT)
 
     def fire() -> None:
         with lock:
@@ -201,20 +208,31 @@ def time_limit(seconds: float):
                 fired.set()
                 if hasattr(signal, "pthread_kill"):
                     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-                else:  # Windows: the flag alone, seen at the main thread's next bytecode
+                else:  # Windows: calls the handler below at the main thread's next bytecode
                     _thread.interrupt_main()
 
+    def on_sigint(signum: int, frame) -> None:
+        if fired.is_set():
+            if armed[0]:  # a signal that lands after the block ended is dropped: the call made it in time
+                raise _Expired
+        elif callable(previous):
+            previous(signum, frame)  # Python's default handler raises KeyboardInterrupt
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
-    timer.start()
     try:
+        timer.start()
         try:
-            yield
-        finally:
-            with lock:
-                armed[0] = False
-            timer.cancel()
-    except KeyboardInterrupt:
-        if fired.is_set():
+            try:
+                yield
+            finally:
+                with lock:
+                    armed[0] = False
+                timer.cancel()
+        except _Expired:
             raise TimeoutError from None
-        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
