@@ -226,13 +226,12 @@ def time_limit(seconds: float):
     try:
         timer.start()
         try:
-            try:
-                yield
-            finally:
-                with lock:
-                    armed[0] = False
-                timer.cancel()
-        except _Expired:
-            raise TimeoutError from None
+            yield
+        finally:
+            with lock:
+                armed[0] = False
+            timer.cancel()
+    except _Expired:  # from the block or from its clean-up: either way the timer fired while it ran
+        raise TimeoutError from None
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
