@@ -24,11 +24,12 @@ import json
 import time
 from collections import defaultdict
 
-from rollouts import K, _NullTok, _threads, model_setup, random_setup
+from common import NullTok, set_threads
+from rollouts import K, model_setup, random_setup
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import AttentionInterface
 
-from vineppo.engine import Engine, attention
+from vineppo.engine import Engine, Request, attention
 from vineppo.engine import job as job_module
 from vineppo.engine.batch import Batch
 from vineppo.engine.split import OwnLayer
@@ -110,11 +111,11 @@ def labelled_kv_writes():
 
 def run(model, tok, seqs, bounds, params, totals, label_ops=False) -> tuple[float, int]:
     """One engine job on the workload under the phase timers; (seconds, generated tokens)."""
-    eng = Engine(model, tok or _NullTok())
+    eng = Engine(model, tok or NullTok())
     g = seeded_generator(model, 0)
     with timed(totals, label_ops):
         t0 = time.perf_counter()
-        out = eng.continuations(seqs, bounds, K, params, generator=g)
+        out = eng.continuations(Request(seqs, bounds, K, params, generator=g))
         dt = time.perf_counter() - t0
     return dt, sum(len(s.token_ids) for r in out for x in r for s in x)
 
@@ -148,7 +149,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     args = ap.parse_args(argv)
-    threads = _threads(args.threads)
+    threads = set_threads(args.threads)
     if args.model:
         model, tok, seqs, bounds, params, _ = model_setup(args.model, n_prompts=args.prompts,
                                                           max_new=args.max_new_tokens or 256)

@@ -27,18 +27,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import json, sys, time
 import torch
-from rollouts import _NullTok, _threads, model_setup, random_setup
+from common import NullTok, set_threads
+from rollouts import model_setup, random_setup
 from vineppo.engine import Engine
 from vineppo.models import seeded_generator
 a = json.loads(sys.argv[1])
-_threads(a["threads"])
+set_threads(a["threads"])
 if a["model"]:
     model, tok, seqs, bounds, params, _ = model_setup(a["model"], n_prompts=a["prompts"], max_new=a["max_new"] or 256)
 else:
     model, tok, seqs, bounds, params, _ = random_setup(n_prompts=a["prompts"], max_new=a["max_new"] or 60)
-eng = Engine(model, tok or _NullTok())
+eng = Engine(model, tok or NullTok())
+try:
+    from vineppo.engine import Request
+    job = lambda g: eng.continuations(Request(seqs, bounds, 9, params, generator=g))
+except ImportError:  # a side from before the one continuation request: positional arguments
+    job = lambda g: eng.continuations(seqs, bounds, 9, params, generator=g)
 t0 = time.perf_counter()
-out = eng.continuations(seqs, bounds, 9, params, generator=seeded_generator(model, 0))
+out = job(seeded_generator(model, 0))
 dt = time.perf_counter() - t0
 ids = [s.token_ids for per in out for samples in per for s in samples]
 print(json.dumps({"tokens": sum(map(len, ids)), "seconds": dt, "samples": ids}))

@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import inspect
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -47,22 +46,15 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from common import NullTok, set_threads
 from vineppo.config import ENGINES
-from vineppo.engine import Engine, SamplingParams, make_engine
+from vineppo.engine import Engine, Request, SamplingParams, make_engine
 from vineppo.models import seeded_generator
 
 K = 9
 N_PROMPTS = 64
 
 
-def _threads(n=None):
-    if not n:
-        try:
-            n = len(os.sched_getaffinity(0))
-        except AttributeError:
-            n = os.cpu_count() or 1
-    torch.set_num_threads(n)
-    return n
 
 
 def random_setup(seed=0, n_prompts=N_PROMPTS, max_new=60):
@@ -129,14 +121,6 @@ def model_setup(path, seed=0, n_prompts=N_PROMPTS, max_new=256):
     return model, tok, seqs, bounds, params, 0
 
 
-class _NullTok:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-    def batch_decode(self, ids, skip_special_tokens=False):
-        return ["" for _ in ids]
 
 
 def run_vllm(eng, seqs, bounds, params, seed=0):
@@ -144,7 +128,7 @@ def run_vllm(eng, seqs, bounds, params, seed=0):
     eng.llm.reset_prefix_cache()
     g = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    out = eng.continuations(seqs, bounds, K, params, generator=g)
+    out = eng.continuations(Request(seqs, bounds, K, params, generator=g))
     dt = time.perf_counter() - t0
     n_tok = sum(len(s.token_ids) for r in out for x in r for s in x)
     max_num_seqs = eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs  # vLLM's cap on its decode batch
@@ -159,7 +143,7 @@ def start_vllm(model, tok, folder, seqs, params):
 
 
 def run_native(model, tok, seqs, bounds, params, seed=0):
-    eng = Engine(model, tok or _NullTok())
+    eng = Engine(model, tok or NullTok())
     rows = []
     hook = model.register_forward_pre_hook(
         lambda m, a, kw: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] == 1 else None,
@@ -167,7 +151,7 @@ def run_native(model, tok, seqs, bounds, params, seed=0):
     try:
         g = seeded_generator(model, seed)
         t0 = time.perf_counter()
-        out = eng.continuations(seqs, bounds, K, params, generator=g)
+        out = eng.continuations(Request(seqs, bounds, K, params, generator=g))
         dt = time.perf_counter() - t0
     finally:
         hook.remove()
@@ -298,7 +282,7 @@ def _vllm_column(args, model, tok, seqs, bounds, params) -> dict:
 
 def main(argv=None):
     args = _arguments(argv)
-    threads = _threads(args.threads)
+    threads = set_threads(args.threads)
     if args.shape:
         # imported here: engine_ab.py runs this file's workload against older revisions of the package, which lack
         # the engine modules shapes.py uses

@@ -32,13 +32,13 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollouts import _NullTok
+from common import NullTok
 from vineppo import config as configs
 from vineppo import ppo
-from vineppo.engine import Engine, SamplingParams
+from vineppo.engine import Engine, Request, SamplingParams
 from vineppo.engine.budget import auto_token_budget, kv_bytes_per_token
 from vineppo.models import pretrained, seeded_generator
-from vineppo.train import build_models
+from vineppo.trainer import build_models
 
 SHAPES = {  # Qwen2 configurations, as their config.json files give them
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -90,7 +90,7 @@ def run_job(engine: Engine, w: Workload, max_new: int | None = None) -> tuple[in
     g = seeded_generator(engine.model, 0)
     sync(engine.model)
     t0 = time.perf_counter()
-    out = engine.continuations(w.seqs, w.bounds, w.k, params, generator=g)
+    out = engine.continuations(Request(w.seqs, w.bounds, w.k, params, generator=g))
     sync(engine.model)
     return sum(len(s.token_ids) for r in out for x in r for s in x), time.perf_counter() - t0
 
@@ -145,7 +145,7 @@ def rollout_report(shape: str, device: torch.device, decode: str, repeats: int, 
     """Tokens/s of the engine on both workloads, the budget it used, captures, and (CUDA) the GPU's busy share."""
     model = random_model(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     budget, line = (token_budget, f"token budget {token_budget:,} (given)") if token_budget else auto_token_budget(model)
-    engine = Engine(model, _NullTok(), token_budget=budget, decode=decode)
+    engine = Engine(model, NullTok(), token_budget=budget, decode=decode)
     res = dict(shape=shape, device=device_name(device), decode=engine.decode, token_budget=budget, budget_line=line,
                kv_bytes_per_token=kv_bytes_per_token(model), versions=versions())
     for w in workloads(model.config.vocab_size, scale):

@@ -50,7 +50,7 @@ from vineppo import ppo
 from vineppo.ppo import can_share, pack, token_logprobs
 from vineppo.prompts import Prompter
 from vineppo.tasks import get_task
-from vineppo.train import _episode, build_models
+from vineppo.trainer import build_models, graded_episodes
 
 PRESET = dict(algo="grpo", estimator="grpo", prompts_per_iter=16, samples_per_prompt=8, temperature=0.6,
               top_p=0.9, max_new_tokens=160, epochs=2, minibatch=64, micro_batch=32, lr=3e-5, kl_coef=1e-4)
@@ -66,7 +66,7 @@ def setup(model_dir: str, seed: int = 0):
     prompter = Prompter(task, tok, cfg.prompt_format, model=model_dir)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
     ctx = algorithms.Context(cfg, models.policy, models.reference, models.trained.optimizer, tok,
-                             Engine(models.trained.policy, tok, cfg.token_budget), params, task.grade)
+                             Engine(models.trained.policy, tok, cfg.token_budget), params, task.score)
     return cfg, task, prompter, ctx
 
 
@@ -78,8 +78,8 @@ def sample(cfg, task, prompter, ctx, seed: int) -> tuple[list, float]:
     t0 = time.perf_counter()
     outputs = ctx.engine.generate(ids, cfg.samples_per_prompt, ctx.params, seeded_generator(ctx.policy, seed))
     took = time.perf_counter() - t0
-    episodes = [_episode(task, ctx.tokenizer, p, s, g, ex)
-                for g, (ex, p, samples) in enumerate(zip(examples, ids, outputs)) for s in samples]
+    episodes = graded_episodes(task, ctx.tokenizer, [(g, ex, p, s) for g, (ex, p, samples)
+                                                     in enumerate(zip(examples, ids, outputs)) for s in samples])
     return episodes, took
 
 

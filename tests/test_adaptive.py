@@ -8,8 +8,9 @@ from test_engine import _make, char_tokenizer
 from vineppo import config as configs
 from vineppo.credit import (Episode, get_estimator, next_round, segment_advantages, settled, state_offsets,
                             wilson_half_width)
-from vineppo.engine import Engine, SamplingParams
+from vineppo.engine import Engine, Request, SamplingParams
 from vineppo.errors import UserError
+from vineppo.tasks import Example
 
 
 # ------------------------------------------------------------------------------------ the stopping rule
@@ -55,8 +56,8 @@ class RoundsEngine(FakeEngine):
         super().__init__(None)
         self.outcomes = outcomes  # outcomes[i][j]: the sequence of rewards its continuations will have
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
-                      more=None):
+    def continuations(self, req):
+        sequences, boundaries, k, budgets, more = req.sequences, req.boundaries, req.k, req.budgets, req.more
         self.calls.append((sequences, boundaries, k, budgets))
         draw = lambda i, j, n0, n: [_sample([RIGHT if w else WRONG]) for w in self.outcomes[i][j][n0:n0 + n]]
         out = [[draw(i, j, 0, k) for j in range(len(bs))] for i, bs in enumerate(boundaries)]
@@ -71,7 +72,7 @@ class RoundsEngine(FakeEngine):
 
 
 def _two_state_episode():
-    return Episode(prompt_ids=[1, 2], response_ids=list(range(10, 16)), text="", reward=1.0, group=0, answer="7",
+    return Episode(prompt_ids=[1, 2], response_ids=list(range(10, 16)), text="", reward=1.0, group=0, example=Example("e", "", "", "7"),
                    steps=[(0, 3), (3, 6)])
 
 
@@ -108,10 +109,10 @@ PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
 
 
 def test_engine_more_that_never_asks_reproduces_the_fixed_job(engine):
-    plain = engine.continuations(SEQS, BOUNDS, 4, PARAMS, torch.Generator().manual_seed(3))
+    plain = engine.continuations(Request(SEQS, BOUNDS, 4, PARAMS, torch.Generator().manual_seed(3)))
     asked = []
-    adaptive = engine.continuations(SEQS, BOUNDS, 4, PARAMS, torch.Generator().manual_seed(3),
-                                    more=lambda i, j, s: asked.append((i, j, len(s))) or 0)
+    adaptive = engine.continuations(Request(SEQS, BOUNDS, 4, PARAMS, torch.Generator().manual_seed(3),
+                                    more=lambda i, j, s: asked.append((i, j, len(s))) or 0))
     assert sorted(asked) == [(0, 0, 4), (0, 1, 4), (0, 2, 4), (1, 0, 4), (1, 1, 4)]  # once per prefix, all finished
     assert [[[s.token_ids for s in st] for st in seq] for seq in plain] == \
            [[[s.token_ids for s in st] for st in seq] for seq in adaptive]
@@ -126,7 +127,7 @@ def test_engine_rounds_go_only_to_the_prefixes_that_ask_and_reuse_the_prefill(en
         assert all(s is not None for s in samples)  # called only when every sample so far has finished
         return 2 if (i, j) == (0, 1) and len(samples) < 7 else 0  # rounds of 2 for one prefix, up to 7
 
-    out = engine.continuations(SEQS, BOUNDS, 3, PARAMS, torch.Generator().manual_seed(3), more=more)
+    out = engine.continuations(Request(SEQS, BOUNDS, 3, PARAMS, torch.Generator().manual_seed(3), more=more))
     assert [[len(st) for st in seq] for seq in out] == [[3, 7, 3], [3, 3]]
     assert len(prefills) == 1  # one prefill group for both sequences, encoded once for all rounds
     for st in out[0][1]:
@@ -163,7 +164,7 @@ def test_segment_advantages_share_one_value_per_segment():
 
 @pytest.mark.parametrize("mode", ["all", "every:2", "tokens:8", "budget:2"])
 def test_vine_estimates_only_the_chosen_states(mode):
-    ep = Episode(prompt_ids=[1, 2], response_ids=list(range(10, 42)), text="", reward=1.0, group=0, answer="7",
+    ep = Episode(prompt_ids=[1, 2], response_ids=list(range(10, 42)), text="", reward=1.0, group=0, example=Example("e", "", "", "7"),
                  steps=STEPS)
     cuts = state_offsets(STEPS, 32, mode)
     wins = [[j + 1 for j in range(len(cuts))]]  # state j: j + 1 of 9 right

@@ -15,7 +15,8 @@ from vineppo.credit import Episode
 from vineppo.errors import UserError
 from vineppo.models import load_model
 from vineppo.tasks import TASKS, get_task, register
-from vineppo.train import train
+from vineppo.trainer import train
+from vineppo.tasks import Example
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +40,7 @@ def _cfg(model, out, **kw) -> configs.TrainConfig:
 
 def _ep(reward, group=0, prompt=(1, 2), response=(10, 11)):
     return Episode(prompt_ids=list(prompt), response_ids=list(response), text="", reward=reward, group=group,
-                   answer="7", steps=[(0, len(response))])
+                   example=Example("e", "", "", "7"), steps=[(0, len(response))])
 
 
 # ------------------------------------------------------------------------------------ the registry
@@ -148,7 +149,7 @@ def _arith_episodes(tokenizer, rewards: list[list[int]]) -> list[Episode]:
         for j, r in enumerate(rs):
             text = f" {g + 2} + 3 = {g + 5 + (1 - r) * (j + 1)}\n#### {g + 5}"
             response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            episodes.append(Episode(prompt, response, "", float(r), g, str(g + 5), [(0, len(response))]))
+            episodes.append(Episode(prompt, response, "", float(r), g, Example("e", "", "", str(g + 5)), [(0, len(response))]))
     return episodes
 
 
@@ -311,7 +312,7 @@ def _sampled_grpo_update(tiny_sft, use_sampler: bool):
     prompts = [tok(f"Problem:\nAva has {g + 2} coins. She gets 3 more. How many?\n\nSolution:")["input_ids"]
                for g in range(2)]
     outputs = engine.generate(prompts, 4, params, seeded_generator(policy, 0))
-    episodes = [Episode(p, list(s.token_ids), s.text, float(j % 2), g, "5", [(0, len(s.token_ids))], False,
+    episodes = [Episode(p, list(s.token_ids), s.text, float(j % 2), g, Example("e", "", "", "5"), [(0, len(s.token_ids))], False,
                         list(s.logprobs) if use_sampler else None)
                 for g, (p, samples) in enumerate(zip(prompts, outputs)) for j, s in enumerate(samples)]
     calls = []

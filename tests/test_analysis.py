@@ -79,8 +79,8 @@ class FakeEngine:
     def generate(self, prompts, n, params, generator=None, progress=None):
         return [[_sample("#### 4" if m % 2 == 0 else "#### 5") for m in range(n)] for _ in prompts]
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
-                      more=None):
+    def continuations(self, req):
+        sequences, boundaries, k, budgets, progress = req.sequences, req.boundaries, req.k, req.budgets, req.progress
         self.calls.append((len(sequences), [len(b) for b in boundaries], k))
         self.budgets.append(budgets)
         out = []
@@ -184,7 +184,7 @@ def test_cli_smoke_on_tiny_model(tmp_path, capsys):
 
 
 def test_bad_flags_raise_user_error(tmp_path):
-    from vineppo.analysis import add_arguments, run
+    from vineppo.commands.analyze_values import add_arguments, run
     import argparse
 
     p = argparse.ArgumentParser()

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from vineppo.compare import plan, report, train_command
+from vineppo.commands.compare import plan, report, train_command
 from vineppo.errors import UserError
 
 
@@ -127,7 +127,7 @@ def test_plan_checks_budgets(tmp_path):
 
 
 def test_run_all_runs_jobs_in_parallel_and_reports_failures(tmp_path, monkeypatch):
-    import vineppo.compare as compare
+    import vineppo.commands.compare as compare
 
     def fake_command(run_dir, algo, seed, iterations, preset, extra):
         if algo == "rloo":  # a run that crashes
@@ -150,7 +150,7 @@ def test_run_all_runs_jobs_in_parallel_and_reports_failures(tmp_path, monkeypatc
 def test_cpu_threads_follow_omp_num_threads_when_set(monkeypatch):
     import os
 
-    import vineppo.compare as compare
+    import vineppo.commands.compare as compare
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # e.g. a compare that shares the machine with another job
     assert compare.cpu_threads() == 1

@@ -8,11 +8,12 @@ import torch
 from vineppo.credit import CreditContext, Episode, gae, get_estimator, step_advantages
 from vineppo.engine import Sample, SamplingParams
 from vineppo.ppo import Surrogate, pack, policy_loss, value_loss, whiten
+from vineppo.tasks import Example, get_task
 
 
 def _ep(reward, n_tokens=4, group=0, steps=None):
     return Episode(prompt_ids=[1, 2], response_ids=list(range(10, 10 + n_tokens)), text="", reward=reward,
-                   group=group, answer="7", steps=steps or [(0, n_tokens)])
+                   group=group, example=Example("e", "", "", "7"), steps=steps or [(0, n_tokens)])
 
 
 def test_step_advantages_three_steps():
@@ -35,14 +36,19 @@ class FakeEngine:
         self.wins = wins  # wins[i][j] = number of the k continuations that end with the right answer
         self.calls = []
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
-                      more=None):
-        self.calls.append((sequences, boundaries, k, budgets))
+    def continuations(self, req):
+        sequences, boundaries, k = req.sequences, req.boundaries, req.k
+        self.calls.append((sequences, boundaries, k, req.budgets))
         for seq, bs in zip(sequences, boundaries):
             if any(b <= a for a, b in zip([0] + bs, bs)) or bs[-1] > len(seq):
                 raise ValueError(f"boundaries must be increasing, >= 1 and <= len(sequence): {bs}")
         return [[[_sample([RIGHT if m < self.wins[i][j] else WRONG]) for m in range(k)]
                  for j in range(len(b))] for i, b in enumerate(boundaries)]
+
+
+def ends_with_answer(examples, texts, token_ids):
+    """A scorer (Task.score): 1 for a completion that ends with its example's answer."""
+    return [float(t.endswith(ex.answer)) for ex, t in zip(examples, texts)]
 
 
 class FakeTokenizer:
@@ -55,7 +61,7 @@ def _sample(ids, reason="stop"):
 
 
 def _vine_ctx(engine, **kw):
-    return CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
+    return CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), score=ends_with_answer,
                          params=PARAMS, **kw)
 
 
@@ -73,7 +79,7 @@ def test_vine_estimates_a_state_shared_by_responses_once():
     # differs after the prompt. Distinct prefixes: prompt, [10, 11] (shared), [10, 11, 12, 13], [20, 21].
     a = _ep(1.0, n_tokens=6, steps=[(0, 2), (2, 4), (4, 6)])
     b = _ep(0.0, n_tokens=4, steps=[(0, 2), (2, 4)])
-    c = Episode([1, 2], [20, 21, 22], "", 0.0, 0, "7", [(0, 2), (2, 3)])
+    c = Episode([1, 2], [20, 21, 22], "", 0.0, 0, Example("e", "", "", "7"), [(0, 2), (2, 3)])
     engine = FakeEngine([[2, 1, 4], [0]])  # per called sequence (a, c); K=4: V(prompt)=0.5, V([10,11])=0.25, V(a's 3rd)=1, V([20,21])=0
     credit = get_estimator("vine")([a, b, c], _vine_ctx(engine, mc_k=4))
     assert engine.calls[0][1] == [[2, 4, 6], [4]]  # b runs nothing; c only its own second state
@@ -86,9 +92,8 @@ def test_vine_state_cap_uses_reward_and_truncated_continuations_score_zero():
     ep = _ep(1.0, n_tokens=3, steps=[(0, 1), (1, 2), (2, 3)])
 
     class Truncating(FakeEngine):
-        def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
-                          more=None):
-            out = super().continuations(sequences, boundaries, k, params)
+        def continuations(self, req):
+            out = super().continuations(req)
             return [[[Sample(s.token_ids, s.text, s.logprobs, "length") for s in st] for st in seq] for seq in out]
 
     adv = get_estimator("vine")([ep], _vine_ctx(Truncating([[2, 2]]), mc_k=2, mc_max_states=2)).advantages[0]
@@ -114,9 +119,9 @@ class BudgetEngine:
     def __init__(self):
         self.budgets = None
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
-                      more=None):
-        self.budgets = budgets or [[params.max_new_tokens] * len(b) for b in boundaries]
+    def continuations(self, req):
+        k = req.k
+        self.budgets = req.budgets or [[req.params.max_new_tokens] * len(b) for b in req.boundaries]
         answer = [0, 0, 0, RIGHT]
         return [[[_sample(answer[:n], "stop" if n >= 4 else "length") for _ in range(k)] for n in per]
                 for per in self.budgets]
@@ -127,7 +132,7 @@ def test_mc_continuations_get_only_the_remaining_budget():
     # few for the 4-token right answer, so that state is worth 0 (a continuation with 12 fresh tokens would win).
     ep = _ep(1.0, n_tokens=10, steps=[(0, 4), (4, 9), (9, 10)])
     engine = BudgetEngine()
-    ctx = CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), grade=lambda t, a: float(t.endswith(a)),
+    ctx = CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), score=ends_with_answer,
                         params=SamplingParams(max_new_tokens=12), mc_k=2)
     adv = get_estimator("vine")([ep], ctx).advantages[0]
     # V = [1, 1, 0]: A = [0, -1, 1]
@@ -225,8 +230,9 @@ class ReplayEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None,
-                      more=None):
+    def continuations(self, req):
+        sequences, boundaries, k = req.sequences, req.boundaries, req.k
+
         def rest(seq, b):
             return Sample(seq[b:], self.tokenizer.decode(seq[b:], skip_special_tokens=True), [0.0] * (len(seq) - b),
                           "stop")
@@ -244,12 +250,12 @@ def test_step_join_with_sentencepiece_tokenizer():
     assert text == "answer is #### 1 000" and tok.decode(response[4:], skip_special_tokens=True) == "000"
     reward = grade_gsm8k(text, "1000")  # "1 000" is no number the grader reads: 0
     # A step boundary between "▁1" and "▁000": decode(prefix) + continuation text would read "#### 1000" (right).
-    ep = Episode(prompt, response, text, reward, 0, "1000", steps=[(0, 4), (4, 6)])
-    ctx = CreditContext(rollouts=ReplayEngine(tok), tokenizer=tok, grade=grade_gsm8k, params=PARAMS, mc_k=2)
+    ep = Episode(prompt, response, text, reward, 0, Example("e", "", "", "1000"), steps=[(0, 4), (4, 6)])
+    ctx = CreditContext(rollouts=ReplayEngine(tok), tokenizer=tok, score=get_task("arith").score, params=PARAMS, mc_k=2)
     credit = get_estimator("vine")([ep], ctx)
     assert credit.advantages[0].tolist() == [0.0] * len(response)  # every state replays the response: V = its reward
-    node = Node(prompt + response, len(prompt) + 4, len(prompt), "1000")
-    assert rollout_rewards(ReplayEngine(tok), tok, grade_gsm8k, [node], 2, PARAMS, None)[0] == [[reward, reward]]
+    node = Node(prompt + response, len(prompt) + 4, len(prompt), Example("e", "", "", "1000"))
+    assert rollout_rewards(ReplayEngine(tok), tok, get_task("arith").score, [node], 2, PARAMS, None)[0] == [[reward, reward]]
 
 
 def _qwen(vocab=300):

@@ -109,7 +109,7 @@ def test_the_four_file_formats_give_the_same_rows(tmp_path):
     for kind, path in files.items():
         task = _task()
         test = task.load("test", path)
-        assert [(ex.problem, task.data.rows[ex.answer].columns) for ex in test] == \
+        assert [(ex.problem, task.data.rows[ex.id].columns) for ex in test] == \
             [(r["prompt"], {"answer": r["answer"]}) for r in rows], kind
         train_, val = task.load("train", path), task.load("validation", path)
         assert len(train_) + len(val) == 12 and len(val) == 1 and not {e.id for e in train_} & {e.id for e in val}
@@ -126,7 +126,7 @@ def test_chat_data_messages_and_the_reference(tmp_path):
     first, second = task.load("test", path)
     assert task.auto_format("plain") == "chat" and task.chat_turns(first) == rows[0]["messages"][:2]
     assert first.solution == "#### 4" and second.solution == "" and first.problem == "2 + 2?"
-    assert task.data.rows[first.answer].columns == {"answer": "4"}  # the prompt's column is not a reward column
+    assert task.data.rows[first.id].columns == {"answer": "4"}  # the prompt's column is not a reward column
 
 
 @pytest.mark.parametrize("text, match", [

@@ -21,7 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from vineppo.engine import TOP_K, Engine, Sample, SamplingParams
+from vineppo.engine import TOP_K, Engine, Request, Sample, SamplingParams
 from vineppo.engine.sampling import sample
 from vineppo.models import cache_keyword
 
@@ -254,7 +254,7 @@ def test_continuations_match_reencoded_prefix_greedy(model, tok):
     seqs = [p + r[0].token_ids for p, r in zip(prompts, resp)]
     bounds = [[len(p), len(p) + 4, len(p) + 11] for p in prompts]
     params = SamplingParams(temperature=0, max_new_tokens=10)
-    mc = Engine(model, tok).continuations(seqs, bounds, 3, params)
+    mc = Engine(model, tok).continuations(Request(seqs, bounds, 3, params))
     prefixes = [s[:b] for s, bs in zip(seqs, bounds) for b in bs]
     ref = _hf_greedy(model, prefixes, 10)
     flat = [x for row in mc for x in row]
@@ -273,7 +273,7 @@ def test_continuations_sampling_distribution(peaked, tok):
     bounds = [[len(prompts[0]) + 5], [len(prompts[1]), len(prompts[1]) + 8]]
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=2)
     g = torch.Generator().manual_seed(7)
-    mc = Engine(peaked, tok).continuations(seqs, bounds, 1500, params, generator=g)
+    mc = Engine(peaked, tok).continuations(Request(seqs, bounds, 1500, params, generator=g))
     prefixes = [seqs[0][: bounds[0][0]], seqs[1][: bounds[1][0]], seqs[1][: bounds[1][1]]]
     g2 = torch.Generator().manual_seed(8)
     direct = Engine(peaked, tok).generate(prefixes, 1500, params, generator=g2)
@@ -311,10 +311,10 @@ def test_small_token_budget_chunks_and_agrees(llama, tok):
     assert len(seen) > 15 * 2  # several chunks
     seqs = [p + r[0].token_ids for p, r in zip(prompts, a)]
     bounds = [[len(p), len(p) + 6, len(p) + 10] for p in prompts]
-    ca = big.continuations(seqs, bounds, 2, params)
+    ca = big.continuations(Request(seqs, bounds, 2, params))
     seen, h = _record_batches(llama)
     try:
-        cb = small.continuations(seqs, bounds, 2, params)
+        cb = small.continuations(Request(seqs, bounds, 2, params))
     finally:
         h.remove()
     assert [[[s.token_ids for s in x] for x in r] for r in ca] == [[[s.token_ids for s in x] for x in r] for r in cb]
@@ -391,9 +391,9 @@ def test_training_mode_restored_and_bad_input(llama, tok):
     finally:
         llama.eval()
     with pytest.raises(ValueError):
-        Engine(llama, tok).continuations([[5, 6, 7]], [[2, 2]], 1, GREEDY)
+        Engine(llama, tok).continuations(Request([[5, 6, 7]], [[2, 2]], 1, GREEDY))
     with pytest.raises(ValueError):
-        Engine(llama, tok).continuations([[5, 6, 7]], [[4]], 1, GREEDY)
+        Engine(llama, tok).continuations(Request([[5, 6, 7]], [[4]], 1, GREEDY))
 
 
 def test_rows_finishing_at_admission_keep_their_identity(peaked, tok):
@@ -445,7 +445,7 @@ def test_continuations_logprobs_under_a_small_budget(llama, tok):
     bounds = [sorted({len(p), len(p) + 2, len(s) - 1} - {0}) for p, s in zip(prompts, seqs)]
     seen, h = _record_batches(llama)
     try:
-        mc = eng.continuations(seqs, bounds, 3, params, generator=g)
+        mc = eng.continuations(Request(seqs, bounds, 3, params, generator=g))
     finally:
         h.remove()
     assert max(r * c for r, c in seen[1:]) <= 200 + 9  # decode batches within the budget
@@ -460,9 +460,9 @@ def test_continuations_honour_per_row_budgets(llama, tok):
     seqs = [p + r[0].token_ids for p, r in zip(prompts, resp)]
     bounds = [[len(p), len(p) + 3] for p in prompts]
     budgets = [[12, 9] if i % 2 else [2, 1] for i in range(len(prompts))]
-    free = Engine(llama, tok).continuations(seqs, bounds, 2, params)
+    free = Engine(llama, tok).continuations(Request(seqs, bounds, 2, params))
     for token_budget in (1 << 20, 60):  # one batch; and rows refilled in place and rebuilt under a small budget
-        cut = Engine(llama, tok, token_budget=token_budget).continuations(seqs, bounds, 2, params, budgets=budgets)
+        cut = Engine(llama, tok, token_budget=token_budget).continuations(Request(seqs, bounds, 2, params, budgets=budgets))
         for f_row, c_row, b_row in zip(free, cut, budgets):
             for f_samples, c_samples, n in zip(f_row, c_row, b_row):
                 for f, c in zip(f_samples, c_samples):
@@ -471,9 +471,9 @@ def test_continuations_honour_per_row_budgets(llama, tok):
                     assert c.logprobs == pytest.approx(f.logprobs[:n], abs=1e-5)
     assert any(len(f.token_ids) > 2 for row in free[::2] for x in row for f in x)  # the budgets did cut something
     with pytest.raises(ValueError, match="budgets"):
-        Engine(llama, tok).continuations(seqs[:1], bounds[:1], 1, params, budgets=[[0, 5]])
+        Engine(llama, tok).continuations(Request(seqs[:1], bounds[:1], 1, params, budgets=[[0, 5]]))
     with pytest.raises(ValueError, match="budgets"):
-        Engine(llama, tok).continuations(seqs[:1], bounds[:1], 1, params, budgets=[[13, 5]])
+        Engine(llama, tok).continuations(Request(seqs[:1], bounds[:1], 1, params, budgets=[[13, 5]]))
 
 
 # ------------------------------------------------------------------ recorded samples (the same seed, the same samples)
@@ -508,8 +508,8 @@ def recorded_workload(tok, decode: str = "split") -> dict:
     budgets = [[10, 4, 7][: len(b)] for b in bounds]
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=10, stop=("q",))
     for name, m, budget in (("mc", peaked, 1 << 20), ("mc_small", peaked, 60), ("mc_llama", llama, 70)):
-        out = Engine(m, tok, token_budget=budget, decode=decode).continuations(
-            seqs, bounds, 3, params, budgets=budgets, generator=torch.Generator().manual_seed(11))
+        out = Engine(m, tok, token_budget=budget, decode=decode).continuations(Request(
+            seqs, bounds, 3, params, budgets=budgets, generator=torch.Generator().manual_seed(11)))
         res[name] = [[flat(x) for x in r] for r in out]
     return res
 
@@ -564,8 +564,8 @@ def test_models_outside_the_split_attention(kind, tok, monkeypatch):
     assert [r[0].token_ids for r in out] == ref and [r[1].token_ids for r in out] == ref
     seqs = [p + r[0].token_ids for p, r in zip(prompts, out)]
     bounds = [sorted({len(p), min(len(s), len(p) + 4)}) for p, s in zip(prompts, seqs)]
-    mc = Engine(m, tok, token_budget=150).continuations(seqs, bounds, 3, SamplingParams(temperature=1.0, max_new_tokens=6),
-                                                        generator=torch.Generator().manual_seed(0))
+    mc = Engine(m, tok, token_budget=150).continuations(Request(seqs, bounds, 3, SamplingParams(temperature=1.0, max_new_tokens=6),
+                                                        generator=torch.Generator().manual_seed(0)))
     _assert_fresh_logprobs(m, seqs, bounds, mc)
     if kind == "eager":
         assert m.config._attn_implementation == "eager"
@@ -635,7 +635,7 @@ def test_ring_prefixes_wrap_around_the_buffer(llama, tok):
     bounds = [[len(p), len(p) + 5, len(s) - 1] for p, s in zip(prompts, seqs)]
     engine = Engine(llama, tok, token_budget=200, decode="ring")
     params = SamplingParams(temperature=1.0, max_new_tokens=9)
-    mc = engine.continuations(seqs, bounds, 3, params, generator=torch.Generator().manual_seed(2))
+    mc = engine.continuations(Request(seqs, bounds, 3, params, generator=torch.Generator().manual_seed(2)))
     assert engine.pool.width == ring.ALIGN  # 35 + 9 columns, rounded up: far fewer than the job's steps
     _assert_fresh_logprobs(llama, seqs, bounds, mc)
     engine.sleep()

@@ -8,7 +8,7 @@ from vineppo import config as configs
 from vineppo import guard, parallel
 from vineppo.errors import UserError
 from vineppo.ppo import Learner, Rollouts, UpdateConfig
-from vineppo.train import build_models
+from vineppo.trainer import build_models
 
 
 def _model(seed=0, float16_origin=False):

@@ -70,7 +70,7 @@ def test_mean_se_skips_missing_values():
 
 
 def _episode(text: str, reward: float, group: int) -> Episode:
-    return Episode([1], [2, 3], text, reward, group, "662", [(0, 2)])
+    return Episode([1], [2, 3], text, reward, group, Example("e", "", "", "662"), [(0, 2)])
 
 
 def test_pick_labels_first_errors_and_spreads_over_problems():

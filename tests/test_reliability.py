@@ -21,7 +21,7 @@ from vineppo import cli
 from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.models import load_model
-from vineppo.train import train
+from vineppo.trainer import train
 
 NO_MODEL = "/no/such/model-folder"
 SMALL = dict(algo="grpo", prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, minibatch=8, micro_batch=8,

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from vineppo import cli
+from vineppo import config as configs
 from vineppo.errors import UserError
 from vineppo.engine import Engine
-from vineppo.evaluate import EvalSettings, evaluate, first_error_step, majority_vote
+from vineppo.evaluation import EvalSettings, evaluate, first_error_step, majority_vote
 from vineppo.models import load_model
 from vineppo.sft import Muon, SFTConfig, ensure_sft_model, make_optimizers, newton_schulz, run_sft
 from vineppo.tasks import Example, Task, get_task, register
@@ -296,3 +297,17 @@ def test_sft_removes_the_temp_folder_a_killed_run_left(tmp_path):
         (folder / "model.safetensors").write_bytes(b"half")
     sft(tmp_path / "m", steps=2)
     assert not stale.exists() and live.exists()  # a running process's folder is left alone
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_eval_scores_the_problems_a_run_evaluated_whatever_its_sampling_seed(tiny, tmp_path, seed):
+    # --seed is the sampling's; the generated test set comes from --data-seed (0), as in a run's in-run evaluation
+    from vineppo.trainer import _load_data
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--model", str(tiny), "--task", "arith", "--samples", "1", "--limit", "4", "--seed",
+                  str(seed), "--max-new-tokens", "8", "--out", str(tmp_path / "r.jsonl"), "--json"])
+    assert e.value.code == 0
+    scored = [(r["id"], r["answer"]) for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())]
+    _, in_run, _ = _load_data(configs.TrainConfig(seed=seed, eval_problems=4), get_task("arith"))
+    assert scored == [(ex.id, ex.answer) for ex in in_run]

@@ -173,7 +173,7 @@ def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
     """A few-shot response ends with the stop string '\\n\\nProblem:' it was cut at; split by lines, that text
     would be a step of its own and VinePPO would estimate a state inside the stop string, whose continuations
     write a whole new problem and answer (the bug that made VinePPO on SmolLM2 one-shot prompts ramble)."""
-    from vineppo.train import _episode
+    from vineppo.trainer import _episode
     from vineppo.tasks import Example, get_task
 
     task = get_task("arith")

@@ -19,7 +19,8 @@ from vineppo import config as configs
 from vineppo.credit import Episode
 from vineppo.errors import UserError
 from vineppo.tasks import TASKS, Task, get_task, register
-from vineppo.train import train
+from vineppo.trainer import train
+from vineppo.tasks import Example
 
 SMALL = dict(prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, mc_k=2, mc_max_states=4, minibatch=8,
              micro_batch=8, eval_problems=4, eval_samples=2, eval_every=1, save_every=1, tensorboard=False)
@@ -175,7 +176,7 @@ def _main(argv: list[str]) -> int:
 
 
 def test_train_without_config_uses_the_task_preset(tiny_sft, tmp_path, monkeypatch, capsys):
-    import vineppo.train as train_mod
+    import vineppo.commands.train as train_mod
 
     seen = []
     monkeypatch.setattr(train_mod, "train", lambda cfg, resume=None: seen.append(cfg) or {"out": "x"})
@@ -213,18 +214,18 @@ def test_batch_without_signal_warns_once(tiny_sft, tmp_path, capsys):
     line = next(ln for ln in err.splitlines() if "warning:" in ln)
     assert "grader" in line and "--max-new-tokens" in line
     # and the fraction itself: prompt 0 mixed, prompt 1 all right, prompt 2 all wrong
-    from vineppo.train import _mixed_prompts
+    from vineppo.trainer import _mixed_prompts
 
-    eps = [Episode([1], [2], "", r, g, "7", [(0, 1)]) for g, r in ((0, 1.0), (0, 0.0), (1, 1.0), (1, 1.0), (2, 0.0))]
+    eps = [Episode([1], [2], "", r, g, Example("e", "", "", "7"), [(0, 1)]) for g, r in ((0, 1.0), (0, 0.0), (1, 1.0), (1, 1.0), (2, 0.0))]
     assert _mixed_prompts(eps) == 1
 
 
 def _group_ep(group: int, reward: float) -> Episode:
-    return Episode([1], [2], "", reward, group, "1", [(0, 1)])
+    return Episode([1], [2], "", reward, group, Example("e", "", "", "1"), [(0, 1)])
 
 
 def test_oversampling_keeps_prompts_with_mixed_outcomes_first():
-    from vineppo.train import _informative
+    from vineppo.trainer import _informative
 
     # 5 drawn prompts, 2 responses each: prompts 1 and 3 are mixed, 0, 2 and 4 are not.
     rewards = {0: (1, 1), 1: (0, 1), 2: (0, 0), 3: (1, 0), 4: (1, 1)}

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from test_engine import _chi2_gof, _nucleus, _prompts, char_tokenizer
 from vineppo import cli
 from vineppo import config as configs
-from vineppo.engine import Engine, SamplingParams, make_engine
+from vineppo.engine import Engine, Request, SamplingParams, make_engine
 from vineppo.errors import UserError
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -84,8 +84,8 @@ def test_greedy_equals_the_native_engine(tiny, engine):
     bounds = [sorted({len(p), len(p) + 2, len(s) - 1}) for p, s in zip(prompts, seqs)]
     budgets = [[24, 3, 9][: len(b)] for b in bounds]
     params = SamplingParams(temperature=0, max_new_tokens=24)
-    want = native.continuations(seqs, bounds, 2, params, budgets=budgets)
-    assert _dump(engine.continuations(seqs, bounds, 2, params, budgets=budgets)) == _dump(want)
+    want = native.continuations(Request(seqs, bounds, 2, params, budgets=budgets))
+    assert _dump(engine.continuations(Request(seqs, bounds, 2, params, budgets=budgets))) == _dump(want)
     assert any(len(s.token_ids) == 3 for r in want for x in r for s in x)  # a budget cut something
 
 
@@ -100,7 +100,7 @@ def test_adaptive_rounds_go_only_to_the_prefixes_that_ask(tiny, engine):
         seen.append((i, j, len(samples)))
         return 2 if (i, j) == (2, 0) and len(samples) < 5 else 0
 
-    out = engine.continuations(prompts, [[len(p)] for p in prompts], 1, params, more=more)
+    out = engine.continuations(Request(prompts, [[len(p)] for p in prompts], 1, params, more=more))
     assert [len(r[0]) for r in out] == [1, 1, 5]
     assert sorted(seen) == [(0, 0, 1), (1, 0, 1), (2, 0, 1), (2, 0, 3), (2, 0, 5)]
     assert len({tuple(s.token_ids) for s in out[2][0]}) == 1  # greedy: every round continues the same prefix alike
@@ -197,7 +197,7 @@ def sft_h32(tmp_path_factory):
 @real_vllm
 def test_two_vineppo_iterations_with_vllm(sft_h32, tmp_path, monkeypatch):
     from vineppo.engine.vllm_backend import VLLMEngine
-    from vineppo.train import train
+    from vineppo.trainer import train
 
     torch.set_num_threads(1)
     pushed, push = [], VLLMEngine.push_weights
@@ -234,7 +234,7 @@ def test_restem_and_dpo_positive_sample_with_vllm(algo, pushes, sft_h32, tmp_pat
     """RestEM's restart from the SFT weights is pushed after its round; DPO+ samples from the frozen SFT model
     (--sample-from sft): vLLM holds those weights, nothing is pushed, and the policy is evaluated natively."""
     from vineppo.engine.vllm_backend import VLLMEngine
-    from vineppo.train import train
+    from vineppo.trainer import train
 
     torch.set_num_threads(1)
     seen, push = [], VLLMEngine.push_weights

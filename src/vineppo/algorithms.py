@@ -26,10 +26,11 @@ from vineppo import config as configs
 from vineppo import distributed as dist
 from vineppo import guard, lora, parallel
 from vineppo.config import TrainConfig
-from vineppo.credit import CreditContext, Episode, get_estimator, groups
+from vineppo.credit import CreditContext, Episode, get_estimator, groups, needs
 from vineppo.engine import SamplingParams
 from vineppo.engine.balanced import BalancedContinuations
 from vineppo.errors import UserError
+from vineppo.grading import Scorer
 from vineppo.minibatch import Loss, Net, Schedule, chunks, drive
 from vineppo.ppo import (Learner, Rollouts, UpdateConfig, loss_weights, pack, ppo_update, token_logprobs,
                          token_mean_std, whiten)
@@ -47,7 +48,7 @@ class Context:
     tokenizer: Any
     engine: Any  # rollout engine over the sampling model (VinePPO's Monte Carlo continuations)
     params: SamplingParams  # sampling settings of the iteration's responses
-    grade: Callable[[str, str], float]
+    score: Scorer  # the task's rewards of a batch of completions (Task.score)
     critic: nn.Module | None = None  # vineppo.ppo.Critic as updates run it (parallel.wrap)
     critic_opt: torch.optim.Optimizer | None = None
     generator: torch.Generator | None = None  # seeded by (seed, iteration, rank): sampling and data selection
@@ -91,7 +92,8 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     ctx.status("credit assignment")
     mc_engine = BalancedContinuations(ctx.engine)
     critic = parallel.unwrap(ctx.critic) if ctx.critic is not None else None
-    credit_ctx = configs.section(CreditContext, cfg, rollouts=mc_engine, tokenizer=ctx.tokenizer, grade=ctx.grade,
+    credit_ctx = configs.section(CreditContext, cfg, rollouts=mc_engine if needs(cfg.estimator).rollouts else None,
+                                 tokenizer=ctx.tokenizer, score=ctx.score,
                                  critic=critic, params=ctx.params, generator=ctx.generator)
     with ctx.sampling():
         credit = get_estimator(cfg.estimator)(episodes, credit_ctx)

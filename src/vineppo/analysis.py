@@ -1,4 +1,4 @@
-"""`vineppo analyze-values`: how accurate is each method's value of an intermediate state?
+"""Value accuracy (`vineppo analyze-values`): how accurate is each method's value of an intermediate state?
 
 The paper's two diagnostics (section 7), on states the policy itself visits:
 
@@ -31,7 +31,6 @@ The ground truth is itself a Monte Carlo mean: with 256 rollouts its standard er
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import time
@@ -40,24 +39,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-from vineppo import config as configs
-from vineppo.config import ENGINES, check_engine
 from vineppo.credit import next_round
 from vineppo.distributed import pick_device
-from vineppo.engine import SamplingParams, make_engine
+from vineppo.engine import Request, SamplingParams
 from vineppo.errors import UserError
-from vineppo.grading import continuation_reward, outcome_reward
-from vineppo.models import load_model
+from vineppo.grading import Scorer, continuation_rewards, outcome_rewards
+from vineppo.loading import LoadSpec, load
 from vineppo.ppo import Critic
-from vineppo.prompts import HELP, Prompter
+from vineppo.prompts import Prompter
 from vineppo.runs import output_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
-from vineppo.tasks import DATA_HELP, get_task
-from vineppo.tracking import console as err_console
-from vineppo.tracking import progress_bar
+from vineppo.tasks import Example, get_task
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
 K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order
@@ -164,7 +157,7 @@ class Node:
     seq: list[int]
     boundary: int
     prompt_len: int
-    answer: str
+    example: Example  # the problem: continuations are scored against it (Task.score)
     terminal: float | None = None
 
     def room(self, max_new_tokens: int) -> int:
@@ -182,13 +175,13 @@ def sample_states(engine, prompter: Prompter, task, examples: list, n_states: in
     outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator)
     states = []
     for ex, prompt, samples in zip(problems, prompts, outputs):
-        rewards = [outcome_reward(task.grade, s.text, ex.answer, s.finish_reason) for s in samples]
+        rewards = outcome_rewards(task.score, [ex] * len(samples), samples)
         for m, s in enumerate(samples):
             steps = step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
             t = rng.randrange(len(steps))
             # an empty last step starts at the response's end: the state is the finished response
             finished = rewards[m] if steps[t][0] == len(s.token_ids) else None
-            node = Node(prompt + list(s.token_ids), len(prompt) + steps[t][0], len(prompt), ex.answer, finished)
+            node = Node(prompt + list(s.token_ids), len(prompt) + steps[t][0], len(prompt), ex, finished)
             states.append({"node": node, "problem": ex.id, "t": t, "steps": len(steps), "reward": rewards[m],
                            **group_baselines(rewards, m)})
     return states[:n_states]
@@ -199,8 +192,8 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
     """For each state, n_alt sampled next steps (continuations cut after their first step) as new states."""
     if not nodes:
         return []
-    conts = engine.continuations([n.seq for n in nodes], [[n.boundary] for n in nodes], n_alt, params, generator,
-                                 budgets=[[n.room(params.max_new_tokens)] for n in nodes])
+    conts = engine.continuations(Request([n.seq for n in nodes], [[n.boundary] for n in nodes], n_alt, params,
+                                         generator, budgets=[[n.room(params.max_new_tokens)] for n in nodes]))
     out = []
     for node, (samples,) in zip(nodes, conts):
         prefix = node.seq[node.prompt_len:node.boundary]
@@ -212,28 +205,28 @@ def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, 
             if end == 0:  # a token spans the first step: no state after it to value
                 continue
             if end >= len(s.token_ids):  # the first step is the whole continuation: the response ends there
-                alts.append(Node(state, len(state), node.prompt_len, node.answer,
-                                 terminal=continuation_reward(task.grade, tokenizer, prefix, s, node.answer)))
+                reward, = continuation_rewards(task.score, tokenizer, prefix, [s], node.example)
+                alts.append(Node(state, len(state), node.prompt_len, node.example, terminal=reward))
             else:
-                alts.append(Node(state, len(state), node.prompt_len, node.answer))
+                alts.append(Node(state, len(state), node.prompt_len, node.example))
         out.append(alts)
     return out
 
 
-def rollout_rewards(engine, tokenizer, grade: Callable[[str, str], float], nodes: list[Node], k: int,
+def rollout_rewards(engine, tokenizer, score: Scorer, nodes: list[Node], k: int,
                     params: SamplingParams, generator: torch.Generator,
                     progress: Callable[[int], None] | None = None) -> tuple[list[list[float]], list[list[int]]]:
     """k continuation rewards and token counts per state from ONE batched engine job; a terminal state gets its
     reward k times, at no token cost."""
     live = [i for i, n in enumerate(nodes) if n.terminal is None]
-    conts = engine.continuations([nodes[i].seq for i in live], [[nodes[i].boundary] for i in live], k, params,
-                                 generator, progress,
-                                 budgets=[[nodes[i].room(params.max_new_tokens)] for i in live]) if live else []
+    conts = engine.continuations(Request([nodes[i].seq for i in live], [[nodes[i].boundary] for i in live], k, params,
+                                         generator, progress, [[nodes[i].room(params.max_new_tokens)] for i in live])
+                                 ) if live else []
     out = [[n.terminal] * k if n.terminal is not None else None for n in nodes]
     tokens = [[0] * k for _ in nodes]
     for i, (samples,) in zip(live, conts):
         prefix = nodes[i].seq[nodes[i].prompt_len:nodes[i].boundary]
-        out[i] = [continuation_reward(grade, tokenizer, prefix, s, nodes[i].answer) for s in samples]
+        out[i] = continuation_rewards(score, tokenizer, prefix, samples, nodes[i].example)
         tokens[i] = [len(s.token_ids) for s in samples]
     return out, tokens
 
@@ -284,7 +277,7 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
     k = gt_k + EXTRA_K
     total = k * sum(n.terminal is None for n in nodes)
     t1 = time.perf_counter()
-    rewards, tokens = rollout_rewards(engine, tokenizer, task.grade, nodes, k, params, gen,
+    rewards, tokens = rollout_rewards(engine, tokenizer, task.score, nodes, k, params, gen,
                                       (lambda done: progress(done, total)) if progress else None)
     t2 = time.perf_counter()
     est = [mc_estimates(r, gt_k) for r in rewards]
@@ -386,7 +379,7 @@ def load_inputs(args: argparse.Namespace, out: Path, model_dir_of: Callable[[Pat
     inside `out`'s folder guard (removed again if any of them fails to load)."""
     with output_folder(out, f"--out {out}"):
         task = get_task(args.task)
-        examples = task.load(args.split, args.data, args.seed)
+        examples = task.load(args.split, args.data, args.data_seed)
         if not examples:
             raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
         device = pick_device(args.device)
@@ -394,161 +387,6 @@ def load_inputs(args: argparse.Namespace, out: Path, model_dir_of: Callable[[Pat
         model_dir = model_dir_of(ckpt)
         if model_dir is None:
             raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
-        model, tokenizer = load_model(model_dir, device=str(device))
-        prompter = Prompter(task, tokenizer, args.prompt_format, model=model_dir, data=args.data, seed=args.seed)
-        engine = make_engine(args.engine, model, tokenizer, model_dir=model_dir, token_budget=args.token_budget)
-    return Inputs(task, examples, critic, model_dir, prompter, engine)
-
-
-# ------------------------------------------------------------------------------------ output
-
-LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
-          "ppo_critic": "PPO critic", "grpo": "GRPO (group mean)", "rloo": "RLOO (leave-one-out mean)"}
-
-
-def print_table(result: dict, console) -> None:
-    """The MAE / ranking table in the terminal."""
-    rk = result["ranking"]
-    table = Table(title=f"value estimates on {result['states']} states (ground truth: {result['settings']['gt_k']} "
-                        f"rollouts)")
-    table.add_column("method")
-    table.add_column("MAE", justify="right")
-    table.add_column(f"step ranking ({rk['pairs']} pairs)", justify="right")
-    for m in METHODS:
-        a, r = result["mae"][m], result["ranking_accuracy"][m]
-        table.add_row(LABELS[m], "n/a" if a is None else f"{a:.4f}", "n/a" if r is None else f"{r:.1%}")
-    console.print(table)
-    console.print(f"ranking: {rk['states']} states, {rk['alternatives']} alternative steps, {rk['pairs']} pairs "
-                  f"counted; {rk['pairs_excluded_true_tie']} pairs with exactly equal true values excluded; a "
-                  f"predicted tie counts as wrong.")
-    if result["mae"]["ppo_critic"] is None:
-        console.print("PPO critic: not evaluated (no --critic RUN_DIR given).")
-    table = Table(title="compute axis: VinePPO's Monte Carlo, fixed K and adaptive K (max 9), on the same states")
-    for col in ("setting", "MAE", "step ranking", "continuations / state", "MC tokens / state"):
-        table.add_column(col, justify="left" if col == "setting" else "right")
-    for r in result["compute"]:
-        table.add_row(compute_label(r), f"{r['mae']:.4f}", "n/a" if r["ranking_accuracy"] is None else
-                      f"{r['ranking_accuracy']:.1%}", f"{r['continuations_per_state']:.2f}", f"{r['tokens_per_state']:.0f}")
-    console.print(table)
-
-
-def compute_label(row: dict) -> str:
-    """'K=9' or 'adaptive agree, k_min 3' for a row of the compute axis."""
-    if row["rule"] == "fixed":
-        return f"K={row['k_min']}"
-    return f"adaptive {row['rule']}, k_min {row['k_min']}, K {row['k_max']}"
-
-
-def plot_compute(result: dict, path: Path) -> None:
-    """Value error (MAE against the ground truth) against Monte Carlo tokens per state, one point per K setting."""
-    import matplotlib  # optional dependency, only for the figure
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after the Agg backend is chosen
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for r in result["compute"]:
-        fixed = r["rule"] == "fixed"
-        ax.scatter(r["tokens_per_state"], r["mae"], marker="o" if fixed else "^", color="C0" if fixed else "C1")
-        ax.annotate(compute_label(r), (r["tokens_per_state"], r["mae"]), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")
-    ax.set_xlabel("Monte Carlo tokens per state")
-    ax.set_ylabel(f"MAE vs {result['settings']['gt_k']}-rollout truth")
-    ax.set_title(f"value error per Monte Carlo token ({result['states']} states)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot(result: dict, path: Path) -> None:
-    """Predicted vs true value, one panel per method."""
-    import matplotlib  # optional dependency, only for figures
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after the Agg backend is chosen
-
-    fig, axes = plt.subplots(2, 3, figsize=(12, 8), sharex=True, sharey=True)
-    truth = [r["true"] for r in result["rows"]]
-    for ax, m in zip(axes.flat, METHODS):
-        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
-        if result["mae"][m] is None:
-            ax.text(0.5, 0.5, "not evaluated\n(no --critic)", ha="center", va="center")
-        else:
-            ax.scatter(truth, [r[m] for r in result["rows"]], s=12, alpha=0.6)
-        ax.set_title(LABELS[m] + ("" if result["mae"][m] is None else f"  MAE {result['mae'][m]:.3f}"), fontsize=10)
-        ax.set_xlim(-0.05, 1.05)
-        ax.set_ylim(-0.05, 1.05)
-    for ax in axes[-1]:
-        ax.set_xlabel(f"true value ({result['settings']['gt_k']} rollouts)")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("predicted value")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------ command line
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of `vineppo analyze-values`."""
-    p.add_argument("--model", default=None,
-                   help="policy folder, .gguf file or hub id (default with --critic: that run's latest checkpoint)")
-    p.add_argument("--prompt-format", default=None, help=HELP)
-    p.add_argument("--task", default="arith", help="task name (default: arith)")
-    p.add_argument("--critic", default=None, metavar="RUN_DIR", help="a `vineppo train --algo ppo` run folder")
-    p.add_argument("--states", type=int, default=64, help="states whose value is estimated (default 64)")
-    p.add_argument("--gt-k", type=int, default=256, help="rollouts per state for the ground truth (default 256)")
-    p.add_argument("--ranking-states", type=int, default=None,
-                   help="states for step ranking (default: a fifth of --states; each costs --alternatives states)")
-    p.add_argument("--alternatives", type=int, default=5, help="alternative next steps per ranking state (default 5)")
-    p.add_argument("--split", default="test")
-    p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="response / continuation length cap")
-    p.add_argument("--token-budget", type=int, default=65536, help="engine: max rows x tokens in one decode batch")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--engine", default="native", help=f"rollout backend: {' or '.join(ENGINES)} (default native)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for values.json and values.png (default: runs/values-<time>)")
-    p.add_argument("--json", action="store_true", help="print the MAE / ranking summary as one JSON object")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `vineppo analyze-values`."""
-    configs.check_flags(vars(args), dict(states=configs.AT_LEAST_1, gt_k=configs.AT_LEAST_1,
-                                         ranking_states=configs.AT_LEAST_0, max_new_tokens=configs.AT_LEAST_1))
-    ranking_states = args.ranking_states if args.ranking_states is not None else math.ceil(args.states / 5)
-    check_engine(args.engine)
-    if ranking_states and args.alternatives < 2:
-        raise UserError("--alternatives must be >= 2 to rank steps (or pass --ranking-states 0)")
-    if args.token_budget <= args.max_new_tokens:
-        raise UserError(f"--token-budget: smaller than one row (a prompt plus --max-new-tokens {args.max_new_tokens} "
-                        f"tokens), got {args.token_budget}")
-    out = Path(args.out) if args.out else Path("runs") / f"values-{time.strftime('%Y%m%d-%H%M%S')}"
-    got = load_inputs(args, out, lambda ckpt: args.model or (str(ckpt) if ckpt else None))
-    task, examples, critic, model_dir, tokenizer, prompter, engine = (got.task, got.examples, got.critic,
-                                                                      got.model_dir, got.prompter.tokenizer,
-                                                                      got.prompter, got.engine)
-    critic_fn = critic_state_values(critic, tokenizer.pad_token_id) if critic is not None else None
-
-    bar = progress_bar()
-    job = bar.add_task("value rollouts", total=None, status="sampling states and alternatives")
-    with bar:
-        study = Study(args.states, args.gt_k, min(ranking_states, args.states), args.alternatives, args.seed,
-                      args.max_new_tokens)
-        result = analyze(engine, tokenizer, task, examples, study, critic_values=critic_fn,
-                         progress=lambda done, total: bar.update(job, completed=done, total=total, status=""),
-                         prompter=prompter)
-    result["model"], result["critic"], result["task"] = model_dir, args.critic, args.task
-
-    (out / "values.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "values.png")
-    plot_compute(result, out / "values_compute.png")
-    print_table(result, err_console if args.json else Console())
-    tm = result["timing"]
-    err_console.print(f"{tm['continuations']} continuations in {tm['monte_carlo_s']:.1f}s ({tm['seconds_per_state']:.2f}s "
-                      f"per state of {args.gt_k + EXTRA_K} rollouts); wrote {out / 'values.json'}, {out / 'values.png'}")
-    if args.json:
-        print(json.dumps({k: result[k] for k in ("mae", "ranking_accuracy", "states", "compute")}))
-    return 0
-
+        got = load(LoadSpec(model_dir, task, args.prompt_format, args.data, args.data_seed, str(device),
+                            engine=args.engine, token_budget=args.token_budget))
+    return Inputs(task, examples, critic, model_dir, got.prompter, got.engine)

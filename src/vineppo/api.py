@@ -10,9 +10,6 @@ nothing more. As on the command line, the fields a config leaves at their defaul
 (`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS). `train` returns the run summary
 (summary.json), `evaluate` the evaluation of `config.model` on the evaluation data by the settings of the
 in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
-
-`vineppo.train` and `vineppo.evaluate` are also the commands' modules: `from vineppo import train` finds the
-module, which, called, runs the function here (vineppo.CallableModule).
 """
 
 from __future__ import annotations
@@ -23,13 +20,10 @@ from typing import Any, Callable
 
 from vineppo import config as configs
 from vineppo import distributed as dist
-from vineppo import evaluate as evaluation
-from vineppo import train as trainer
+from vineppo import evaluation, trainer
 from vineppo.config import TrainConfig
-from vineppo.engine import make_engine
 from vineppo.errors import UserError
-from vineppo.models import load_model
-from vineppo.prompts import Prompter
+from vineppo.loading import LoadSpec, load
 from vineppo.tasks import Task, get_task
 from vineppo.tasks.custom import PYTHON, Settings, make_task
 
@@ -49,14 +43,13 @@ def train(config: TrainConfig, data: Rows = None, eval_data: Rows = None,
 
 def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[Reward] | None = None) -> dict:
     """pass@1, pass@k, greedy accuracy and mean reward of `config.model` on the evaluation data, per-problem rows
-    under 'results' (vineppo.evaluate.evaluate)."""
+    under 'results' (vineppo.evaluation.evaluate)."""
     cfg, task = _with_task(config, None, eval_data, reward)
     examples = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems or None]
-    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
-    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=cfg.model, data=cfg.data, seed=cfg.data_seed)
-    engine = make_engine(cfg.engine, model, tokenizer, model_dir=cfg.model, token_budget=cfg.token_budget)
+    got = load(LoadSpec(cfg.model, task, cfg.prompt_format, cfg.data, cfg.data_seed, cfg.device,
+                        None if cfg.dtype == "auto" else cfg.dtype, cfg.engine, cfg.token_budget or 65536))
     settings = evaluation.EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed)
-    return evaluation.evaluate(engine, task, examples, settings, prompter)
+    return evaluation.evaluate(got.engine, task, examples, settings, got.prompter)
 
 
 def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward | list[Reward] | None

@@ -12,14 +12,14 @@ from vineppo.errors import UserError
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
-    "inspect-data": ("vineppo.inspect", "validate a data set, grade its references, show step splits"),
-    "sft": ("vineppo.sft", "supervised fine-tuning on a task's reference solutions"),
-    "eval": ("vineppo.evaluate", "pass@1 and greedy accuracy of a model on a task"),
-    "train": ("vineppo.train", "RL training: VinePPO, PPO, GRPO, RLOO, RestEM or DPO+"),
-    "analyze-values": ("vineppo.analysis", "accuracy of value estimates against Monte Carlo ground truth"),
-    "analyze-credit": ("vineppo.localisation", "which tokens each method's advantages blame when one line is wrong"),
-    "compare": ("vineppo.compare", "train several algorithms over several seeds and report"),
-    "export": ("vineppo.export", "a run's checkpoint as a plain transformers model folder (LoRA adapters merged)"),
+    "inspect-data": ("vineppo.commands.inspect_data", "validate a data set, grade its references, show step splits"),
+    "sft": ("vineppo.commands.sft", "supervised fine-tuning on a task's reference solutions"),
+    "eval": ("vineppo.commands.eval", "pass@1 and greedy accuracy of a model on a task"),
+    "train": ("vineppo.commands.train", "RL training: VinePPO, PPO, GRPO, RLOO, RestEM or DPO+"),
+    "analyze-values": ("vineppo.commands.analyze_values", "accuracy of value estimates against Monte Carlo ground truth"),
+    "analyze-credit": ("vineppo.commands.analyze_credit", "which tokens each method's advantages blame when one line is wrong"),
+    "compare": ("vineppo.commands.compare", "train several algorithms over several seeds and report"),
+    "export": ("vineppo.commands.export", "a run's checkpoint as a plain transformers model folder (LoRA adapters merged)"),
 }
 
 

@@ -1,10 +1,11 @@
 """Credit assignment: every advantage estimator is a small function registered by name, with one signature.
 
-    @register("name")
+    @register("name", Needs(rollouts=True))
     def estimator(episodes: list[Episode], ctx: CreditContext) -> Credit
 
 An estimator returns one advantage per response token for every episode (and, when it trains a
-critic, the value targets). Adding a method is adding an entry here; the trainer never branches on it.
+critic, the value targets). It declares what it needs besides the episodes (`Needs`: a critic, the rollout
+engine); the trainer reads the declaration and never branches on a name. Adding a method is adding an entry here.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from vineppo import distributed as dist
 from vineppo.config import TrainConfig
-from vineppo.engine import SamplingParams
+from vineppo.engine import Request, SamplingParams
 from vineppo.errors import UserError
-from vineppo.grading import continuation_rewards
+from vineppo.grading import Scorer, continuation_rewards
+from vineppo.tasks import Example
 
 _DEFAULTS = TrainConfig()  # CreditContext's defaults: a run's own settings
 
@@ -31,9 +33,9 @@ class Episode:
     prompt_ids: list[int]
     response_ids: list[int]
     text: str  # decoded response
-    reward: float  # 1.0 correct, 0.0 wrong or truncated
+    reward: float  # the task's reward (built-in tasks: 1.0 correct, 0.0 wrong or truncated)
     group: int  # index of its prompt in the batch: responses to one prompt form a group
-    answer: str  # reference answer, for grading Monte Carlo continuations
+    example: Example  # the problem it answers: Monte Carlo continuations are scored against it (Task.score)
     steps: list[tuple[int, int]]  # token ranges [start, end) of the reasoning steps in response_ids
     truncated: bool = False
     logprobs: list[float] | None = None  # the engine's log-probs of response_ids when sampled (see Sample.logprobs)
@@ -56,7 +58,7 @@ class CreditContext:
 
     rollouts: Any = None  # the rollout engine (an object; TrainConfig.engine is the backend's name)
     tokenizer: Any = None
-    grade: Callable[[str, str], float] | None = None
+    score: Scorer | None = None  # the task's rewards of a batch of completions (Task.score)
     critic: Any = None  # vineppo.ppo.Critic for `gae`
     params: SamplingParams | None = None  # sampling settings for Monte Carlo continuations
     generator: torch.Generator | None = None
@@ -71,18 +73,34 @@ class CreditContext:
     progress: Callable[[int], None] | None = None
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What an estimator uses besides the episodes; the trainer builds it only for estimators that declare it."""
+
+    critic: bool = False  # a learned value network (CreditContext.critic), trained beside the policy
+    rollouts: bool = False  # the rollout engine (CreditContext.rollouts), for Monte Carlo continuations
+
+
 Estimator = Callable[[list[Episode], CreditContext], Credit]
 ESTIMATORS: dict[str, Estimator] = {}
+NEEDS: dict[str, Needs] = {"none": Needs()}  # "none": the algorithm assigns no per-token credit (RestEM, DPO+)
 
 
-def register(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: add an estimator to the registry under `name`."""
+def register(name: str, needs: Needs = Needs()) -> Callable[[Estimator], Estimator]:
+    """Decorator: add an estimator to the registry under `name`, with what it needs."""
 
     def add(fn: Estimator) -> Estimator:
-        ESTIMATORS[name] = fn
+        ESTIMATORS[name], NEEDS[name] = fn, needs
         return fn
 
     return add
+
+
+def needs(name: str) -> Needs:
+    """What the estimator registered as `name` (or "none") needs."""
+    if name not in NEEDS:
+        raise UserError(f"unknown credit estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    return NEEDS[name]
 
 
 def get_estimator(name: str) -> Estimator:
@@ -236,7 +254,7 @@ def segment_advantages(n_tokens: int, offsets: list[int], values: list[float], r
     return adv
 
 
-@register("vine")
+@register("vine", Needs(rollouts=True))
 def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     """VinePPO: V(s) = mean reward of K continuations from each state; A = r + V(s_next) - V(s) per segment.
 
@@ -269,14 +287,14 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     def graded(q: int, j: int, samples: list) -> list[float]:
         ep, done = episodes[owners[q]], wins.setdefault((q, j), [])
         prefix = ep.response_ids[: positions[owners[q]][j]]
-        done += continuation_rewards(ctx.grade, ctx.tokenizer, prefix, samples[len(done):], ep.answer)
+        done += continuation_rewards(ctx.score, ctx.tokenizer, prefix, samples[len(done):], ep.example)
         return done
 
     adaptive = 0 < ctx.mc_k_min < ctx.mc_k
     more = (lambda q, j, samples: next_round(known(graded(q, j, samples)), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
         if adaptive else None
-    rollouts = ctx.rollouts.continuations(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params,
-                                        ctx.generator, ctx.progress, budgets=budgets, more=more)
+    rollouts = ctx.rollouts.continuations(Request(sequences, boundaries, ctx.mc_k_min if adaptive else ctx.mc_k,
+                                                  ctx.params, ctx.generator, ctx.progress, budgets, more))
     value_of: dict[tuple, float] = {}
     n_cont = n_tokens = 0
     for q, (i, per_state) in enumerate(zip(owners, rollouts)):
@@ -297,7 +315,7 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     return Credit(advantages, stats=stats)
 
 
-@register("gae")
+@register("gae", Needs(critic=True))
 def critic_gae(episodes: list[Episode], ctx: CreditContext) -> Credit:
     """PPO: a learned critic scores every response token; advantages by GAE(gamma, lambda)."""
     values = ctx.critic.values([ep.prompt_ids for ep in episodes], [ep.response_ids for ep in episodes])

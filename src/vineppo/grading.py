@@ -24,7 +24,7 @@ import sys
 import threading
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol
 
 MATH_TIMEOUT = 5.0  # seconds per grade_math call, hard
 MAX_ANSWER_CHARS = 2000  # longer boxed answers are compared as strings only: no real answer is that long
@@ -60,61 +60,40 @@ class Sample(Protocol):
     finish_reason: str
 
 
+# A scorer: one reward (None: none) per completion of items[i] (a task's examples), in one call: Task.score.
+Scorer = Callable[[list[Any], list[str], list[list[int]]], list["float | None"]]
+
+
 def outcome_reward(grade: Callable[[str, str], float], text: str, answer: str, finish_reason: str) -> float:
-    """The method's reward: the grade of a response that stopped; 0 for one cut off by the token limit."""
+    """A per-answer grader's reward (eval's lenient score): the grade of a response that stopped; 0 if cut off."""
     return grade(text, answer) if finish_reason == "stop" else 0.0
 
 
-def continuation_reward(grade: Callable[[str, str], float], tokenizer, prefix_ids: list[int], sample: Sample,
-                        answer: str) -> float:
-    """The reward of a response prefix (token ids) followed by a continuation, graded as one decoded text.
-
-    The joined tokens are decoded, not the decoded texts joined: a tokenizer may decode a token differently
-    at the start of a text (SentencePiece drops the space of a leading "▁word"), so the texts need not join.
-    """
-    text = tokenizer.decode(list(prefix_ids) + list(sample.token_ids), skip_special_tokens=True)
-    return outcome_reward(grade, text, answer, sample.finish_reason)
-
-
-@runtime_checkable
-class BatchGrader(Protocol):
-    """A grader that scores many completions in one call, with their token ids (a custom task's reward functions)."""
-
-    def batch(self, answers: list[str], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
-        """One reward (None: none) per completion."""
-
-
-def grade_batch(grade: Callable[[str, str], float | None], answers: list[str], texts: list[str],
-                token_ids: list[list[int]]) -> list[float | None]:
-    """Grades of finished completions: one call of a BatchGrader, else one `grade` per completion."""
-    if not texts:
-        return []
-    if isinstance(grade, BatchGrader):
-        return grade.batch(answers, texts, token_ids)
-    return [grade(text, answer) for text, answer in zip(texts, answers)]
-
-
-def outcome_rewards(grade: Callable[[str, str], float | None], answers: list[str], samples: list[Sample],
-                    texts: list[str] | None = None, token_ids: list[list[int]] | None = None) -> list[float | None]:
-    """`outcome_reward` of many samples at once: the finished ones graded in one batch, the cut-off ones 0.
-
-    `texts` and `token_ids` replace the samples' own (a continuation graded with its response prefix)."""
+def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], texts: list[str] | None = None,
+                    token_ids: list[list[int]] | None = None) -> list[float | None]:
+    """The method's rewards of many samples (samples[i] answers items[i]): the finished ones scored in one call, the
+    ones cut off by the token limit 0. `texts` and `token_ids` replace the samples' own (a continuation with its
+    response prefix)."""
     texts = [s.text for s in samples] if texts is None else texts
     token_ids = [list(s.token_ids) for s in samples] if token_ids is None else token_ids
     done = [i for i, s in enumerate(samples) if s.finish_reason == "stop"]
-    graded = grade_batch(grade, [answers[i] for i in done], [texts[i] for i in done], [token_ids[i] for i in done])
+    scored = score([items[i] for i in done], [texts[i] for i in done], [token_ids[i] for i in done]) if done else []
     out: list[float | None] = [0.0] * len(samples)
-    for i, r in zip(done, graded):
+    for i, r in zip(done, scored):
         out[i] = r
     return out
 
 
-def continuation_rewards(grade: Callable[[str, str], float | None], tokenizer, prefix_ids: list[int],
-                         samples: list[Sample], answer: str) -> list[float | None]:
-    """`continuation_reward` of several continuations of one prefix, graded in one batch."""
+def continuation_rewards(score: Scorer, tokenizer, prefix_ids: list[int], samples: list[Sample],
+                         item: Any) -> list[float | None]:
+    """The rewards of a response prefix (token ids) followed by each continuation, each graded as one decoded text.
+
+    The joined tokens are decoded, not the decoded texts joined: a tokenizer may decode a token differently
+    at the start of a text (SentencePiece drops the space of a leading "▁word"), so the texts need not join.
+    """
     ids = [list(prefix_ids) + list(s.token_ids) for s in samples]
     texts = [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-    return outcome_rewards(grade, [answer] * len(samples), samples, texts, ids)
+    return outcome_rewards(score, [item] * len(samples), samples, texts, ids)
 
 
 def extract_gsm8k(completion: str) -> str | None:

@@ -12,7 +12,7 @@ import re
 import statistics
 from pathlib import Path
 
-from vineppo.compare import load_run
+from vineppo.commands.compare import load_run
 
 BEHAVIOUR = "skip"
 CEILING_FRACTION = 0.7  # of the careful style's test pass@1 (the SFT model's): set after the runs, not by the protocol

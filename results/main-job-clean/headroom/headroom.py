@@ -8,7 +8,7 @@ import json
 import sys
 import types
 
-from vineppo.evaluate import first_error_step, majority_vote
+from vineppo.evaluation import first_error_step, majority_vote
 from vineppo.tasks import get_task
 
 ARITH = get_task("arith")

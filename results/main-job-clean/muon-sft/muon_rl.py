@@ -1,6 +1,6 @@
 """Experiment: vineppo train with Muon (match_rms_adamw) on the policy's matrices, AdamW on the rest. args: vineppo train args"""
 import sys, torch
-import vineppo.train as tr
+import vineppo.trainer as tr
 from vineppo import cli
 
 class Both(torch.optim.Optimizer):

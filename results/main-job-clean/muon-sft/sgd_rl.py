@@ -1,6 +1,6 @@
 """Experiment: vineppo train with plain SGD on the policy. args: LR then vineppo train args"""
 import sys, torch
-import vineppo.train as tr
+import vineppo.trainer as tr
 from vineppo import cli
 sgd_lr = float(sys.argv[1])
 _AdamW = torch.optim.AdamW

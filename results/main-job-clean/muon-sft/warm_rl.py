@@ -1,6 +1,6 @@
 """Experiment: vineppo train with a linear learning-rate warmup over the policy optimiser's first N steps. args: N then vineppo train args"""
 import sys, torch
-import vineppo.train as tr
+import vineppo.trainer as tr
 from vineppo import cli
 warm = int(sys.argv[1])
 

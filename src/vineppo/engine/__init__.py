@@ -15,7 +15,7 @@ interface.
 from __future__ import annotations
 
 from vineppo.config import check_engine
-from vineppo.engine.api import RolloutEngine, Sample, SamplingParams, eos_token_ids
+from vineppo.engine.api import Request, RolloutEngine, Sample, SamplingParams, eos_token_ids
 from vineppo.engine.native import Engine
 from vineppo.engine.sampling import TOP_K
 
@@ -32,4 +32,4 @@ def make_engine(name: str, model, tokenizer, model_dir: str | None = None, token
     return Engine(model, tokenizer, token_budget=token_budget, decode="auto" if cuda_graphs else "split")
 
 
-__all__ = ["Engine", "RolloutEngine", "Sample", "SamplingParams", "TOP_K", "eos_token_ids", "make_engine"]
+__all__ = ["Engine", "Request", "RolloutEngine", "Sample", "SamplingParams", "TOP_K", "eos_token_ids", "make_engine"]

@@ -3,10 +3,10 @@
     params = SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=256, stop=("\\n\\nProblem:",))
     engine = make_engine("native", model, tokenizer, token_budget=65536)    # or "vllm", with model_dir=
     out = engine.generate(prompts, n=8, params=params, generator=g)   # list (per prompt) of list (n) of Sample
-    mc  = engine.continuations(sequences, boundaries, k=9, params=params, generator=g, budgets=budgets)
+    mc  = engine.continuations(Request(sequences, boundaries, k=9, params=params, generator=g, budgets=budgets))
           # mc[i][j] = k Samples continuing sequences[i][:boundaries[i][j]], each with at most
           # budgets[i][j] new tokens (default: params.max_new_tokens)
-    mc  = engine.continuations(..., k=3, more=lambda i, j, samples: 6 if undecided(samples) else 0)
+    mc  = engine.continuations(Request(..., k=3, more=lambda i, j, samples: 6 if undecided(samples) else 0))
           # adaptive: further rounds for the prefixes that ask for them, on the same cached prefix
     engine.sleep()               # before an update: a backend holding its own memory may free it (GPU vLLM)
     engine.push_weights(model)   # after an update: a backend holding its own copy of the weights reloads it
@@ -16,6 +16,7 @@ Prompts and sequences are token ids; every random choice comes from ``generator`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -42,19 +43,42 @@ Progress = Callable[[int], None]  # called with the number of samples finished s
 More = Callable[[int, int, list[Sample]], int]  # adaptive rounds: (i, j, samples so far) -> how many more to draw
 
 
+@dataclass
+class Request:
+    """What `continuations` samples, the one request every backend takes: `k` continuations of each sequence after
+    each of its boundaries (`generate`'s prompts are sequences with one boundary, their end)."""
+
+    sequences: list[list[int]]  # token ids
+    boundaries: list[list[int]]  # per sequence, increasing prefix lengths (1 .. len(sequence))
+    k: int  # continuations per (sequence, boundary)
+    params: SamplingParams
+    generator: torch.Generator | None = None  # every random choice
+    progress: Progress | None = None  # called as samples finish
+    budgets: list[list[int]] | None = None  # per boundary, new tokens at most (None: params.max_new_tokens each)
+    more: More | None = None  # adaptive: further rounds for the prefixes that ask for them
+
+    def checked(self) -> Request:
+        """This request with its budgets filled in, or a ValueError naming what is wrong with it."""
+        check_job(self.k, self.params)
+        budgets = check_continuations(self.sequences, self.boundaries, self.params, self.budgets)
+        return dataclasses.replace(self, sequences=[list(s) for s in self.sequences],
+                                   boundaries=[list(b) for b in self.boundaries], budgets=budgets)
+
+
 class RolloutEngine(Protocol):
     """What train, eval, analyze-values and the benchmark call; both backends implement it."""
+
+    model: torch.nn.Module  # the model it samples from (evaluation reads its context length and device)
+    tokenizer: object  # the tokenizer its samples are decoded with
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  generator: torch.Generator | None = None, progress: Progress | None = None) -> list[list[Sample]]:
         """n samples per prompt."""
 
-    def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
-                      generator: torch.Generator | None = None, progress: Progress | None = None,
-                      budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
+    def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens.
 
-        Adaptive sampling: with ``more``, once all samples of (i, j) so far have finished, ``more(i, j, samples)``
+        Adaptive sampling: with ``req.more``, once all samples of (i, j) so far have finished, ``more(i, j, samples)``
         says how many to add (0: that prefix is done); the prefix's KV cache is reused, never re-encoded.
         """
 

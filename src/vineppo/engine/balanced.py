@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from vineppo import distributed as dist
-from vineppo.engine.api import check_continuations
+from vineppo.engine.api import Request, Sample
 
 
 class BalancedContinuations:
@@ -21,15 +23,14 @@ class BalancedContinuations:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def continuations(self, sequences, boundaries, k, params, generator=None, progress=None, budgets=None, more=None):
+    def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """Same contract as Engine.continuations, computed cooperatively by every rank (adaptive jobs: each its own)."""
-        if not dist.active() or more is not None:  # `more` grades with this rank's episodes: it cannot judge another's
-            self.states_run += sum(len(b) for b in boundaries)
-            return self.engine.continuations(sequences, boundaries, k, params, generator, progress, budgets=budgets,
-                                             more=more)
-        budgets = check_continuations(sequences, boundaries, params, budgets)
-        pools = dist.all_gather_objects(list(zip(sequences, boundaries, budgets)))
-        units = [(k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)
+        if not dist.active() or req.more is not None:  # `more` grades this rank's episodes: it cannot judge another's
+            self.states_run += sum(len(b) for b in req.boundaries)
+            return self.engine.continuations(req)
+        req = req.checked()
+        pools = dist.all_gather_objects(list(zip(req.sequences, req.boundaries, req.budgets)))
+        units = [(req.k * (len(seq) - b + 1), r, i, j) for r, pool in enumerate(pools)
                  for i, (seq, bs, _) in enumerate(pool) for j, b in enumerate(bs)]
         load, mine = [0.0] * dist.world(), []
         for cost, r, i, j in sorted(units, reverse=True):  # longest job first to the least-loaded rank
@@ -42,12 +43,12 @@ class BalancedContinuations:
             jobs.setdefault((r, i), []).append(j)
         keys = list(jobs)
         self.states_run += len(mine)
-        out = self.engine.continuations([pools[r][i][0] for r, i in keys],
-                                        [[pools[r][i][1][j] for j in jobs[(r, i)]] for r, i in keys],
-                                        k, params, generator, progress,
-                                        budgets=[[pools[r][i][2][j] for j in jobs[(r, i)]] for r, i in keys])
+        out = self.engine.continuations(dataclasses.replace(
+            req, sequences=[pools[r][i][0] for r, i in keys],
+            boundaries=[[pools[r][i][1][j] for j in jobs[(r, i)]] for r, i in keys],
+            budgets=[[pools[r][i][2][j] for j in jobs[(r, i)]] for r, i in keys]))
         done = {(r, i, j): samples for (r, i), per in zip(keys, out) for j, samples in zip(jobs[(r, i)], per)}
         results: dict = {}
         for part in dist.all_gather_objects(done):
             results.update({key: v for key, v in part.items() if key[0] == dist.rank()})
-        return [[results[(dist.rank(), i, j)] for j in range(len(bs))] for i, bs in enumerate(boundaries)]
+        return [[results[(dist.rank(), i, j)] for j in range(len(bs))] for i, bs in enumerate(req.boundaries)]

@@ -8,31 +8,14 @@ else about the order of work lives here, so the same inputs, budget and seed giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from vineppo.engine import schedule
-from vineppo.engine.api import More, Progress, Sample, SamplingParams
+from vineppo.engine.api import Request, Sample
 from vineppo.engine.batch import Batch, Group
 from vineppo.engine.plan import Rounds, Unit, plan_job
 from vineppo.engine.sampling import sample
 from vineppo.engine.stops import Finisher
-
-
-@dataclass
-class Request:
-    """What a job samples: `k` continuations of each sequence after each of its boundaries (a prompt: one boundary,
-    its end), each at most its budget of new tokens."""
-
-    seqs: list[list[int]]
-    bounds: list[list[int]]  # per sequence, increasing prefix lengths
-    budgets: list[list[int]]  # per boundary, new tokens at most (<= params.max_new_tokens)
-    k: int
-    params: SamplingParams
-    generator: torch.Generator | None = None  # every random choice
-    progress: Progress | None = None  # called as samples finish
-    more: More | None = None  # adaptive: further rounds for the prefixes that ask for them
 
 
 class Job:
@@ -40,10 +23,10 @@ class Job:
 
     def __init__(self, engine, req: Request, shared: bool = True):
         self.engine, self.req = engine, req
-        self.out: list[list[list[Sample | None]]] = [[[None] * req.k for _ in bs] for bs in req.bounds]
+        self.out: list[list[list[Sample | None]]] = [[[None] * req.k for _ in bs] for bs in req.boundaries]
         p, budget, device = req.params, engine.token_budget, engine.device
         vocab = engine.model.get_output_embeddings().weight.shape[0]
-        self.plan = plan_job(req.bounds, req.k, budget, p.max_new_tokens, vocab)
+        self.plan = plan_job(req.boundaries, req.k, budget, p.max_new_tokens, vocab)
         cand = engine.stop_candidates(p.stop, vocab)
         self.finisher = Finisher(engine.tokenizer, p.stop, torch.tensor(engine.eos_token_ids or [-1], device=device),
                                  None if cand is None else cand.to(device), self.out, req.progress)
@@ -81,7 +64,7 @@ class Job:
         batch, groups = self.batch, self.groups
         for u in units:
             if u.group not in groups:
-                groups[u.group] = self.engine.prefill(self.plan.groups[u.group], self.req.seqs, self.req.bounds)
+                groups[u.group] = self.engine.prefill(self.plan.groups[u.group], self.req.sequences, self.req.boundaries)
         logits = torch.cat([groups[u.group].first_logits(u) for u in units])
         tok0, lp0 = sample(logits, self.req.params, self.req.generator)  # first tokens come from the prefill logits
         live = batch.N - len(batch.dead)

@@ -45,11 +45,10 @@ import inspect
 
 import torch
 
-from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job, check_prompts,
-                                eos_token_ids)
+from vineppo.engine.api import Progress, Request, Sample, SamplingParams, check_prompts, eos_token_ids
 from vineppo.engine.attention import packed_decode
 from vineppo.engine.batch import Batch, Group, layers_kv
-from vineppo.engine.job import Job, Request
+from vineppo.engine.job import Job
 from vineppo.engine.plan import Plan
 from vineppo.engine.ring import RingKV, RingPool, planned_rows
 from vineppo.engine.split import SplitKV
@@ -91,18 +90,12 @@ class Engine:
                  generator: torch.Generator | None = None, progress: Progress | None = None) -> list[list[Sample]]:
         """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples."""
         check_prompts(prompts)
-        budgets = [[params.max_new_tokens] for _ in prompts]
-        out = self._run(Request([list(p) for p in prompts], [[len(p)] for p in prompts], budgets, n, params, generator,
-                                progress))
+        out = self._run(Request(prompts, [[len(p)] for p in prompts], n, params, generator, progress).checked())
         return [r[0] for r in out]
 
-    def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
-                      generator: torch.Generator | None = None, progress: Progress | None = None,
-                      budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
+    def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]] (then ``more`` asks for further rounds)."""
-        budgets = check_continuations(sequences, boundaries, params, budgets)
-        return self._run(Request([list(s) for s in sequences], [list(b) for b in boundaries], budgets, k, params,
-                                 generator, progress, more))
+        return self._run(req.checked())
 
     def sleep(self) -> None:
         """Free the ring's buffers and graphs unless they are small (the split layout holds nothing between jobs)."""
@@ -115,8 +108,7 @@ class Engine:
     # ------------------------------------------------------------------ the job
 
     def _run(self, req: Request) -> list[list[list[Sample]]]:
-        """Run `req` as one Job, the model in eval mode for its duration."""
-        check_job(req.k, req.params)
+        """Run `req` (checked) as one Job, the model in eval mode for its duration."""
         was_training = self.model.training
         self.model.eval()
         if self.pool is not None:
@@ -132,7 +124,7 @@ class Engine:
 
     def layout(self, req: Request, plan: Plan, shared: bool) -> SplitKV | RingKV:
         """The KV layout of a job's batch: split (eager) or the ring (static shapes, CUDA graphs)."""
-        p_max = max((b for bs in req.bounds for b in bs), default=1)
+        p_max = max((b for bs in req.boundaries for b in bs), default=1)
         if self.pool is None:
             return SplitKV(req.params.max_new_tokens, p_max, shared)
         copies = sum(u.copies for u in plan.queue) * (1 if req.more is None else 2)  # adaptive: the ring may grow

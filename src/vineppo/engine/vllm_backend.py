@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from vineppo.config import MISSING_VLLM
-from vineppo.engine.api import (More, Progress, Sample, SamplingParams, check_continuations, check_job,
-                                check_prompts, eos_token_ids)
+from vineppo.engine.api import (Progress, Request, Sample, SamplingParams, check_job, check_prompts,
+                                eos_token_ids)
 from vineppo.errors import UserError
 from vineppo.models import context_length
 
@@ -117,28 +117,26 @@ class VLLMEngine:
         return self._run([list(p) for p in prompts], n, [params.max_new_tokens] * len(prompts), params, generator,
                          progress)
 
-    def continuations(self, sequences: list[list[int]], boundaries: list[list[int]], k: int, params: SamplingParams,
-                      generator: torch.Generator | None = None, progress: Progress | None = None,
-                      budgets: list[list[int]] | None = None, more: More | None = None) -> list[list[list[Sample]]]:
+    def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]] (then ``more`` asks for further rounds)."""
-        budgets = check_continuations(sequences, boundaries, params, budgets)
-        check_job(k, params)
-        prefixes = [list(s[:b]) for s, bs in zip(sequences, boundaries) for b in bs]
-        limits = [n for bs in budgets for n in bs]
-        flat = self._run(prefixes, k, limits, params, generator, progress)
-        if more is not None:  # later rounds are new requests: the prefix cache still holds each prefix's blocks
-            keys = [(i, j) for i, bs in enumerate(boundaries) for j in range(len(bs))]
+        req = req.checked()
+        prefixes = [list(s[:b]) for s, bs in zip(req.sequences, req.boundaries) for b in bs]
+        limits = [n for bs in req.budgets for n in bs]
+        flat = self._run(prefixes, req.k, limits, req.params, req.generator, req.progress)
+        if req.more is not None:  # later rounds are new requests: the prefix cache still holds each prefix's blocks
+            keys = [(i, j) for i, bs in enumerate(req.boundaries) for j in range(len(bs))]
             todo = list(range(len(prefixes)))
             while todo:
-                asks = {p: more(*keys[p], flat[p]) for p in todo}
+                asks = {p: req.more(*keys[p], flat[p]) for p in todo}
                 todo = [p for p in todo if asks[p] > 0]
                 for m in sorted({asks[p] for p in todo}):  # one vLLM call per round size (n is per call here)
                     same = [p for p in todo if asks[p] == m]
-                    got = self._run([prefixes[p] for p in same], m, [limits[p] for p in same], params, generator, None)
+                    got = self._run([prefixes[p] for p in same], m, [limits[p] for p in same], req.params,
+                                    req.generator, None)
                     for p, samples in zip(same, got):
                         flat[p].extend(samples)
         out, at = [], 0
-        for bs in boundaries:
+        for bs in req.boundaries:
             out.append(flat[at : at + len(bs)])
             at += len(bs)
         return out

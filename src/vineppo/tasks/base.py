@@ -21,10 +21,10 @@ DATA_HELP = ("data file for tasks that read one (gsm8k, math; custom: JSONL, JSO
 class Example:
     """One problem: its id, text, reference solution (the SFT target) and reference final answer."""
 
-    id: str
+    id: str  # unique in its data set (a custom task's: where the row is, e.g. train.jsonl:3)
     problem: str
     solution: str
-    answer: str
+    answer: str  # what the grader compares with ("" where the reward functions read the row instead: custom)
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,9 @@ class Task:
     name: str
     # load(split, path, seed) -> examples; path None means the task's default source (hub or generator).
     load: Callable[[str, str | None, int], list[Example]]
-    # grade(completion, reference_answer) -> 1.0 or 0.0; never raises.
-    grade: Callable[[str, str], float]
+    # grade(completion, reference_answer) -> 1.0 or 0.0; never raises. What `score` calls per completion (None: a
+    # task that scores batches itself, as `custom` does).
+    grade: Callable[[str, str], float] | None
     # split_steps(response) -> steps whose concatenation is exactly the response.
     split_steps: Callable[[str], list[str]]
     prompt_template: str = DEFAULT_PROMPT
@@ -58,6 +59,11 @@ class Task:
     step_tokens: int = 0  # > 0: a response's steps are runs of this many tokens, not `split_steps` (custom tokens:N)
     preset: str | None = None  # the preset `vineppo train --task NAME` uses without --config ("": TrainConfig's
     # defaults; None: none, --config is required)
+
+    def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
+        """The reward of each finished completion texts[i] (token ids token_ids[i]) of examples[i], None where there
+        is none; the trainer, eval and the analyses call this, once per batch. Default: `grade` per completion."""
+        return [self.grade(text, ex.answer) for ex, text in zip(examples, texts)]
 
     def configured(self, settings: Any) -> Task:
         """The task for a command's settings (its flags, or a TrainConfig): itself; `custom` reads its own."""

@@ -14,7 +14,8 @@ reaches the reward functions as a keyword argument (vineppo.rewards).
 **Reward**: `--reward FILE.py:FUNCTION` or `package.module:FUNCTION`, repeatable, weighted by
 `--reward-weights`; a response is solved (pass@1, pass@k) when its reward is at least `--success-threshold`.
 **Steps**: `--steps` (vineppo.steps; lines by default). An example's id is where it comes from (`file:line`,
-`file[index]`, `hub NAME split record i`, `data[i]`), and its `answer` is that id: the key of its row.
+`file[index]`, `hub NAME split record i`, `data[i]`): the key of its row, which `score` hands to the reward
+functions; an example has no reference answer of its own (`answer` is "").
 """
 
 from __future__ import annotations
@@ -92,13 +93,17 @@ class CustomTask(Task):
 
     def chat_turns(self, example: Example) -> list[dict] | None:
         """The prompt's chat turns when the data gives them."""
-        prompt = self.data.rows[example.answer].prompt
+        prompt = self.data.rows[example.id].prompt
         return prompt if isinstance(prompt, list) else None
 
     def auto_format(self, recorded: str | None) -> str | None:
         """chat for data whose prompts are chat turns; for text prompts the model's recorded format, else plain
         (the text as it is, as TRL uses a prompt of its standard format)."""
         return "chat" if self.data.format == "chat" else recorded or "plain"
+
+    def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
+        """The rewards of completions `texts` of `examples`: one call of each reward function (vineppo.rewards)."""
+        return self.data.batch([ex.id for ex in examples], texts, token_ids)
 
     def solved(self, reward: float | None) -> bool:
         """Reward at least --success-threshold."""
@@ -131,10 +136,10 @@ class Data:
         examples = [self.example(records[i], where[i]) for i, _ in pairs]
         if not examples:
             return examples
-        columns = list(self.rows[examples[0].answer].columns)
+        columns = list(self.rows[examples[0].id].columns)
         for ex in examples:
-            missing = [c for c in columns if c not in self.rows[ex.answer].columns]
-            extra = [c for c in self.rows[ex.answer].columns if c not in columns]
+            missing = [c for c in columns if c not in self.rows[ex.id].columns]
+            extra = [c for c in self.rows[ex.id].columns if c not in columns]
             if missing or extra:
                 raise UserError(f"{ex.id}: " + (f"missing column {missing[0]!r}" if missing else f"column {extra[0]!r}")
                                 + f", unlike {examples[0].id}; every record needs the same columns")
@@ -165,7 +170,7 @@ class Data:
         return records, where
 
     def example(self, record: dict, where: str) -> Example:
-        """One record as an Example (id and answer: where it is) and its Row; a UserError names where and column."""
+        """One record as an Example (its id: where it is) and its Row; a UserError names where and column."""
         source, reference = self.settings.prompt_column, None
         if source not in record and source == "prompt" and "messages" in record:
             source = "messages"
@@ -192,7 +197,7 @@ class Data:
                             f"rename it")
         self.rows[where] = Row(prompt, columns)
         text = prompt if kind == "plain" else prompt[-1]["content"]
-        return Example(id=where, problem=text, solution=reference or "", answer=where)
+        return Example(id=where, problem=text, solution=reference or "", answer="")
 
     def functions(self) -> list[tuple[str, Callable]]:
         """The reward functions, loaded once (the Python API's callables, or --reward's names)."""
@@ -217,10 +222,6 @@ class Data:
         return self.rewards(Batch(prompts=[r.prompt for r in rows], completions=chat if self.format == "chat" else
                                   list(texts), completion_ids=[list(ids) for ids in token_ids],
                                   columns={c: [r.columns[c] for r in rows] for c in names}, where=list(keys)))
-
-    def __call__(self, text: str, key: str) -> float | None:
-        """One completion's reward (Task.grade): no token ids here, so `batch` is what the trainer calls."""
-        return self.batch([key], [text], [[]])[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None:
@@ -314,7 +315,7 @@ def read_csv(file: Path, path: str) -> tuple[list[dict], list[str]]:
 def make_task(settings: Settings, objects: dict[str, Any] | None = None) -> CustomTask:
     """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables)."""
     data = Data(settings, objects or {})
-    return CustomTask(name="custom", preset="", load=data.load, grade=data, split_steps=make_splitter(settings.steps),
+    return CustomTask(name="custom", preset="", load=data.load, grade=None, split_steps=make_splitter(settings.steps),
                       prompt_template="{problem}", instruction="", stop=(), lenient=None,
                       step_tokens=token_steps(settings.steps), settings=settings, data=data)
 

@@ -19,7 +19,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vineppo.grading import grade_batch
 from vineppo.prompts import HELP, Prompter
 from vineppo.steps import every_n_tokens
 from vineppo.tasks import Example, Task, custom, get_task
@@ -55,8 +54,7 @@ def inspect_examples(task: Task, examples: list[Example], progress: bool = False
                   disable=not (progress and scored), transient=True) as bar:
         job = bar.add_task("grade", total=len(examples))
         for a in range(0, len(examples) if scored else 0, CHUNK):
-            rewards += grade_batch(task.grade, [ex.answer for ex in examples[a:a + CHUNK]], targets[a:a + CHUNK],
-                                   ids[a:a + CHUNK])
+            rewards += task.score(examples[a:a + CHUNK], targets[a:a + CHUNK], ids[a:a + CHUNK])
             bar.advance(job, len(rewards) - a)
     failed = [ex.id for ex, r in zip(examples, rewards) if not task.solved(r)]
     n_steps, not_exact = [], []
@@ -97,7 +95,7 @@ def describe(task: Task, examples: list[Example], prompter: Prompter | None) -> 
         [task.chat_turns(ex) or task.prompt(ex) for ex in shown]
     out = {"prompt_format": prompter.format if prompter else task.auto_format(None), "prompts": prompts}
     if isinstance(task, CustomTask) and examples:
-        out["columns"] = list(task.data.rows[examples[0].answer].columns)
+        out["columns"] = list(task.data.rows[examples[0].id].columns)
     return out
 
 
@@ -147,6 +145,6 @@ def show(report: dict, task: Task, examples: list[Example], args: argparse.Names
         console.print(escape(prompt if isinstance(prompt, str) else json.dumps(prompt)), highlight=False,
                       soft_wrap=True)
     for ex in examples[: args.examples]:
-        console.rule(ex.id + (f"  answer: {ex.answer}" if ex.answer != ex.id else ""))
+        console.rule(ex.id + (f"  answer: {ex.answer}" if ex.answer else ""))
         for i, step in enumerate(shown_steps(task, ex, tokenizer)):
             console.print(f"[bold cyan]{i:>2}[/bold cyan] {escape(repr(step))}", highlight=False, soft_wrap=True)

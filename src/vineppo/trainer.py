@@ -1,4 +1,4 @@
-"""`vineppo train`: the RL loop. Sample -> grade -> the algorithm's update -> evaluate -> checkpoint.
+"""The RL loop behind `vineppo train`: sample -> grade -> the algorithm's update -> evaluate -> checkpoint.
 
 One loop serves every algorithm; they differ only in the update registered under their name
 (vineppo.algorithms: credit assignment + PPO, RestEM, DPO+) and its settings (vineppo.config.ALGOS).
@@ -7,7 +7,6 @@ Read `train` top to bottom.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -20,27 +19,26 @@ from typing import Any, Callable
 
 import torch
 
-import vineppo
 from vineppo import config as configs
 from vineppo import distributed as dist
 from vineppo import lora, parallel, runs
 from vineppo.algorithms import Context, get_algorithm, needs_reference
 from vineppo.config import TrainConfig, check_engine
-from vineppo.credit import Episode, groups
-from vineppo.engine import RolloutEngine, SamplingParams, make_engine
+from vineppo.credit import Episode, groups, needs
+from vineppo.engine import RolloutEngine, Sample, SamplingParams, make_engine
 from vineppo.engine.budget import auto_token_budget, update_reserve
 from vineppo.errors import RewardError, UserError
-from vineppo.evaluate import EvalSettings, behaviour_counts, behaviour_table, evaluate
+from vineppo.evaluation import EvalSettings, behaviour_counts, behaviour_table, evaluate
 from vineppo.grading import outcome_rewards
-from vineppo.models import context_length, disable_dropout, load_model
+from vineppo.loading import LoadSpec, load
+from vineppo.models import context_length, disable_dropout
 from vineppo.ppo import Critic
 from vineppo.prompts import Prompter
 from vineppo.sft import default_model, is_saved_model
 from vineppo.steps import every_n_tokens, step_token_ranges, token_char_offsets
-from vineppo.tasks import TASKS, Example, Task, get_task
+from vineppo.tasks import Example, Task, get_task
 from vineppo.tracking import Tracker, console, plot_run, progress_bar
 
-# without --config a run uses configs/<task>.yaml, or the preset named here (None: TrainConfig's defaults alone)
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 
 
@@ -186,8 +184,9 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
     model_dir = str(dist.broadcast_object(str(model_dir) if model_dir else None))
     if main and resume:
         runs.check_start_model(out, model_dir)
-    policy, tokenizer = load_model(model_dir, device=str(device), dtype=policy_dtype(cfg), verbose=main)
-    prompter = Prompter(task, tokenizer, cfg.prompt_format, model=model_dir, data=cfg.data, seed=cfg.data_seed)
+    got = load(LoadSpec(model_dir, task, cfg.prompt_format, cfg.data, cfg.data_seed, str(device),
+                        policy_dtype(cfg) or "float32", engine=None, verbose=main))  # the engine: on the sampler, below
+    policy, tokenizer, prompter = got.model, got.tokenizer, got.prompter
     _check_lengths(cfg, prompter, policy, train_set, test_set, val_set)
     models = build_models(cfg, policy, device)
     policy = models.trained.policy
@@ -210,7 +209,7 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
                       keep_until=state.iteration if resume else None, enabled=main)
     bar = Bar(cfg, state.iteration, enabled=main)
     ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
-                  tokenizer=tokenizer, engine=engine, params=params, grade=task.grade, critic=models.critic,
+                  tokenizer=tokenizer, engine=engine, params=params, score=task.score, critic=models.critic,
                   critic_opt=models.trained.critic_opt, status=bar.status,
                   sampling=lambda: parallel.sampling(device, cfg.dtype, sampler, models.trained.critic))
     return Run(cfg=cfg, out=out, device=device, task=task, algorithm=algorithm, train_set=train_set, test_set=test_set,
@@ -252,8 +251,7 @@ def iteration(run: Run, it: int) -> bool:
     # 2. Grade (in one batch) and cut into steps; a response without a reward (a custom reward's None) is left out
     # of the loss; with --oversample, keep the prompts whose responses differ in reward.
     drawn = [(g, ex, ids, s) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs) for s in samples]
-    rewards = outcome_rewards(run.task.grade, [ex.answer for _, ex, _, _ in drawn], [s for *_, s in drawn])
-    sampled = [_episode(run.task, run.tokenizer, ids, s, g, ex, r) for (g, ex, ids, s), r in zip(drawn, rewards)]
+    sampled = graded_episodes(run.task, run.tokenizer, drawn)
     rewarded = [ep for ep in sampled if ep.reward is not None]
     episodes = _informative(rewarded, cfg.prompts_per_iter) if cfg.oversample > 1 else rewarded
     metrics = _sample_metrics(run, it, mine, outputs, sampled, episodes)
@@ -384,7 +382,7 @@ def policy_dtype(cfg: TrainConfig) -> str | None:
 def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device) -> Models:
     """Reference, critic, LoRA adapters, sharding or replication, and optimisers around the loaded `policy`."""
     parallel.round_weights(policy, cfg.dtype)  # before the copies: reference and critic start from the same values
-    critic = Critic.from_model(policy).float() if cfg.estimator == "gae" else None  # a copy; trained in float32
+    critic = Critic.from_model(policy).float() if needs(cfg.estimator).critic else None  # a copy; trained in float32
     for net in (policy, critic):  # the update runs in train mode; PPO's ratio and KL must not see dropout noise
         if net is not None:
             disable_dropout(net)
@@ -404,6 +402,12 @@ def build_models(cfg: TrainConfig, policy: torch.nn.Module, device: torch.device
     return Models(runs.Trained(policy, optimizer, critic, critic_opt, cfg.fsdp), trainee, critic_trainee, reference)
 
 
+def graded_episodes(task: Task, tokenizer, drawn: list[tuple[int, Example, list[int], Sample]]) -> list[Episode]:
+    """Drawn responses (group, example, prompt ids, sample) scored in one batch (Task.score) and cut into steps."""
+    rewards = outcome_rewards(task.score, [ex for _, ex, _, _ in drawn], [s for *_, s in drawn])
+    return [_episode(task, tokenizer, ids, s, g, ex, r) for (g, ex, ids, s), r in zip(drawn, rewards)]
+
+
 def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, ex: Example,
              reward: float | None) -> Episode:
     """One graded response, its reasoning steps mapped to token ranges (or runs of `task.step_tokens` tokens)."""
@@ -411,7 +415,7 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, e
         steps = every_n_tokens(len(sample.token_ids), task.step_tokens)
     else:
         steps = step_token_ranges(task.response_steps(sample.text), token_char_offsets(tokenizer, sample.token_ids))
-    return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex.answer, steps,
+    return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex, steps,
                    sample.finish_reason != "stop", list(sample.logprobs))
 
 
@@ -533,50 +537,3 @@ def _run_dir(cfg: TrainConfig) -> Path:
         return Path(cfg.out)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.algo}-{cfg.task}-{stamp}"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of `vineppo train`: --config, --resume, --json, and one flag per TrainConfig field."""
-    presets = "; ".join(f"{t.preset or 'none'} for {t.name}" for t in TASKS.values() if t.preset is not None)
-    p.add_argument("--config", default=None, help=f"preset name or YAML file (default: the task's preset: {presets})")
-    p.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last checkpoint")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    configs.add_config_arguments(p)
-
-
-def task_preset(task: str) -> str | None:
-    """The preset a run of `task` uses without --config (Task.preset; None: TrainConfig's defaults alone)."""
-    if task not in TASKS:
-        raise UserError(f"unknown task {task!r}; known tasks: {', '.join(sorted(TASKS))}")
-    if TASKS[task].preset is None:
-        raise UserError(f"task {task!r} has no preset of its own; pass --config PRESET|FILE.yaml")
-    return TASKS[task].preset or None
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `vineppo train`."""
-    overrides = configs.overrides_from(args)
-    if args.resume:
-        saved = Path(args.resume) / "config.yaml"
-        if not saved.exists():
-            raise UserError(f"--resume {args.resume}: no config.yaml there (not a run folder)")
-        extra = [k for k in overrides if k != "iterations"]
-        if extra:
-            raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(extra)})")
-        cfg = configs.load(saved, overrides)
-    else:
-        preset = args.config or task_preset(overrides.get("task", TrainConfig.task))
-        cfg = configs.resolve(configs.load_preset(preset) if preset else {}, overrides, source=preset or "defaults")
-        cfg.preset = preset
-    try:
-        summary = train(cfg, Path(args.resume) if args.resume else None)
-        main = dist.is_main()
-        dist.barrier()  # leave together (not after an error: a peer may be gone): see distributed.shutdown
-    finally:
-        dist.shutdown()
-    if main:
-        print(json.dumps(summary) if args.json else f"run folder: {summary['out']}\n{json.dumps(summary, indent=2)}")
-    return 0
-
-
-vineppo.callable_module(__name__)  # `from vineppo import train` gives this module; called, it runs vineppo.api.train
