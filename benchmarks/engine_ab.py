@@ -2,8 +2,9 @@
 
     python benchmarks/engine_ab.py --before REV [--model DIR|FILE.gguf|HUB_ID] [--prompts 64] [--max-new-tokens N]
                                    [--rounds 3] [--threads 2] [--json]
+    python benchmarks/engine_ab.py --before-src DIR ...     # another copy's src/ folder, no git
 
-REV is checked out into a temporary git worktree. Each round runs the engine of each side once, in a fresh
+REV is checked out into a temporary git worktree (``--before-src``: the package in DIR is run as it is). Each round runs the engine of each side once, in a fresh
 process, alternating (before, after, before, ...), so both see the same drifting machine; the medians and the
 per-round ratios are reported, with how many samples the two sides drew differently from the same seed. A change
 that sums the same floats in another order can tip a near-tie of a flat distribution (a random model's) the
@@ -13,6 +14,7 @@ other way; that sample then differs, and so may the rows that share its batch af
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -62,9 +64,28 @@ def run_side(src: Path, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def before_src(args):
+    """The src/ folder of the side before: --before-src as given, or --before checked out into a temporary git
+    worktree (removed after)."""
+    if args.before_src:
+        yield Path(args.before_src).resolve()
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.before], check=True,
+                       capture_output=True)
+        try:
+            yield tree / "src"
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="git revision to compare against (e.g. HEAD~1, a commit)")
+    side = ap.add_mutually_exclusive_group(required=True)
+    side.add_argument("--before", help="git revision to compare against (e.g. HEAD~1, a commit)")
+    side.add_argument("--before-src", help="a src/ folder to compare against (another copy of the package)")
     ap.add_argument("--model", default="", help="a model folder, .gguf file or hub id (default: tiny random Llama)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=0)
@@ -72,25 +93,19 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.before], check=True,
-                       capture_output=True)
-        try:
-            runs = {"before": [], "after": []}
-            for r in range(args.rounds):
-                for side, src in (("before", tree / "src"), ("after", ROOT / "src")):
-                    runs[side].append(run_side(src, args))
-                    print(f"round {r + 1} {side}: {runs[side][-1]['tokens'] / runs[side][-1]['seconds']:,.0f} tokens/s",
-                          file=sys.stderr)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    with before_src(args) as src:
+        runs = {"before": [], "after": []}
+        for r in range(args.rounds):
+            for side, folder in (("before", src), ("after", ROOT / "src")):
+                runs[side].append(run_side(folder, args))
+                print(f"round {r + 1} {side}: {runs[side][-1]['tokens'] / runs[side][-1]['seconds']:,.0f} tokens/s",
+                      file=sys.stderr)
     first = {side: xs[0]["samples"] for side, xs in runs.items()}
     differ = sum(a != b for a, b in zip(first["before"], first["after"]))
     if any(x["samples"] != xs[0]["samples"] for xs in runs.values() for x in xs):
         raise SystemExit("one side drew different samples in different rounds: not deterministic")
     speed = {side: [x["tokens"] / x["seconds"] for x in xs] for side, xs in runs.items()}
-    res = {"before": args.before, "model": args.model or "random-llama-h256-l4", "threads": args.threads,
+    res = {"before": args.before or args.before_src, "model": args.model or "random-llama-h256-l4", "threads": args.threads,
            "tokens": runs["after"][0]["tokens"], "samples": len(first["after"]), "samples_that_differ": differ,
            "tokens_before": runs["before"][0]["tokens"],
            "before_tokens_per_s": statistics.median(speed["before"]),

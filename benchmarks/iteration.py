@@ -1,12 +1,16 @@
-"""A VinePPO iteration against a GRPO iteration on the main job, from the runs' own metrics.
+"""An iteration of each algorithm against a GRPO iteration on the main job, from the runs' own metrics.
 
-    python benchmarks/iteration.py [--iterations 6] [--rounds 2] [--threads 2] [--src DIR] [--json] [-- TRAIN FLAGS]
+    python benchmarks/iteration.py [--algos vineppo,grpo] [--iterations 6] [--rounds 2] [--threads 2] [--src DIR]
+                                   [--json] [-- TRAIN FLAGS]
 
-Each round runs `vineppo train --algo vineppo` and `--algo grpo` once each (alternating, one at a time, in
-fresh processes), both from the shipped SFT model with the main job's preset and the same seed, and reads
+Each round runs `vineppo train --algo A` once for each algorithm A (in turn, one at a time, in fresh
+processes), both from the shipped SFT model with the main job's preset and the same seed, and reads
 time/sampling_s, time/credit_s and time/update_s from their metrics.jsonl. Iteration 1 is the same batch for
 both algorithms (same seed, same prompts, same samples); later iterations sample from policies that have
-moved apart, so their medians compare like workloads, not identical ones. ``--src`` runs another checkout's
+moved apart, so their medians compare like workloads, not identical ones. Per algorithm: the median
+iteration and its phases, the tokens it trains on per iteration (the responses, and the Monte Carlo
+continuations that train too) and per second, and its `ratio_to_grpo` (median iteration over GRPO's; GRPO is
+always run). ``--src`` runs another checkout's
 package (its src/ folder) instead of the installed one, for before/after comparisons; flags after ``--`` go to
 `vineppo train` (e.g. ``-- --mc-k 3``).
 """
@@ -23,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 PARTS = ("time/sampling_s", "time/credit_s", "time/update_s")
+TRAINED = "train/trained_tokens"  # response tokens the update trains on in an iteration (with tree rollouts' too)
 
 
 def run(algo: str, out: Path, args, extra: list[str]) -> list[dict]:
@@ -36,7 +41,7 @@ def run(algo: str, out: Path, args, extra: list[str]) -> list[dict]:
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{p: r.get(p, 0.0) for p in PARTS} | {"iteration": r["iteration"]} for r in rows if PARTS[0] in r]
+    return [{p: r.get(p, 0.0) for p in (*PARTS, TRAINED)} | {"iteration": r["iteration"]} for r in rows if PARTS[0] in r]
 
 
 def summary(runs: list[list[dict]]) -> dict:
@@ -44,12 +49,17 @@ def summary(runs: list[list[dict]]) -> dict:
     first = [r[0] for r in runs]
     every = [it for r in runs for it in r]
     total = lambda rs: statistics.median(sum(x[p] for p in PARTS) for x in rs)  # noqa: E731
-    return {"iteration_1_s": total(first), "median_iteration_s": total(every),
-            **{f"median_{p.split('/')[1]}": statistics.median(x[p] for x in every) for p in PARTS}}
+    out = {"iteration_1_s": total(first), "median_iteration_s": total(every),
+           **{f"median_{p.split('/')[1]}": statistics.median(x[p] for x in every) for p in PARTS}}
+    if all(TRAINED in x for x in every):
+        out["median_trained_tokens"] = statistics.median(x[TRAINED] for x in every)
+        out["trained_tokens_per_s"] = out["median_trained_tokens"] / out["median_iteration_s"]
+    return out
 
 
 def run_arguments(ap: argparse.ArgumentParser) -> None:
     """The flags of a benchmark made of `run`s (this one and dtype.py)."""
+    ap.add_argument("--algos", default="vineppo,grpo", help="comma-separated algorithms (grpo is always run)")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -64,7 +74,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run_arguments(ap)
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    runs: dict[str, list] = {"vineppo": [], "grpo": []}
+    names = [a for a in args.algos.split(",") if a and a != "grpo"] + ["grpo"]
+    runs: dict[str, list] = {a: [] for a in names}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for algo in runs:
@@ -72,18 +83,21 @@ def main(argv=None):
                 print(f"round {r + 1} {algo}: {summary(runs[algo][-1:])['median_iteration_s']:.2f} s per iteration",
                       file=sys.stderr)
     res = {"iterations": args.iterations, "rounds": args.rounds, "threads": args.threads, "train_flags": extra,
-           "vineppo": summary(runs["vineppo"]), "grpo": summary(runs["grpo"]), "runs": runs}
-    res["ratio_iteration_1"] = res["vineppo"]["iteration_1_s"] / res["grpo"]["iteration_1_s"]
-    res["ratio_median_iteration"] = res["vineppo"]["median_iteration_s"] / res["grpo"]["median_iteration_s"]
+           **{a: summary(runs[a]) for a in names}, "runs": runs}
+    for a in names:
+        res[a]["ratio_to_grpo"] = res[a]["median_iteration_s"] / res["grpo"]["median_iteration_s"]
+    if "vineppo" in runs:  # the keys earlier files have
+        res["ratio_iteration_1"] = res["vineppo"]["iteration_1_s"] / res["grpo"]["iteration_1_s"]
+        res["ratio_median_iteration"] = res["vineppo"]["ratio_to_grpo"]
     if args.json:
         print(json.dumps(res))
         return
-    for algo in ("vineppo", "grpo"):
+    for algo in names:
         s = res[algo]
-        print(f"{algo:8s} iteration 1 {s['iteration_1_s']:.2f} s, median {s['median_iteration_s']:.2f} s "
-              f"(sampling {s['median_sampling_s']:.2f}, credit {s['median_credit_s']:.2f}, update {s['median_update_s']:.2f})")
-    print(f"VinePPO / GRPO: iteration 1 (same batch) {res['ratio_iteration_1']:.2f}x, "
-          f"median iteration {res['ratio_median_iteration']:.2f}x")
+        print(f"{algo:12s} iteration 1 {s['iteration_1_s']:.2f} s, median {s['median_iteration_s']:.2f} s "
+              f"(sampling {s['median_sampling_s']:.2f}, credit {s['median_credit_s']:.2f}, update "
+              f"{s['median_update_s']:.2f}), {s['ratio_to_grpo']:.2f}x GRPO"
+              + (f", {s['trained_tokens_per_s']:.0f} trained tokens/s" if "trained_tokens_per_s" in s else ""))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@
 With ``--shape``: one PPO update on random weights of a named shape on ``--device``, its seconds, model FLOPs
 utilisation and peak memory (``benchmarks/shapes.py`` says how); the rest of this docstring is the CPU benchmark.
 
-Workload: one GRPO iteration of the `arith-tiny` preset on the model (an SFT model of `arith`): 16 prompts x
-8 responses sampled by the engine (T 0.6, top-p 0.9, at most 160 new tokens), GRPO advantages, then the
+Workload: one GRPO iteration of the `arith-tiny` preset on the model (an SFT model of `arith`), with the
+preset's settings as `vineppo train --algo grpo` resolves them: 16 prompts x 8 responses sampled by the engine
+(T 0.6, top-p 0.9, at most 160 new tokens, the preset's token budget of 131,072), GRPO advantages, then the
 update: 2 epochs of minibatch 64 in micro-batches of 32, k3 KL 1e-4 to the reference, AdamW lr 3e-5.
+``--prompts`` and ``--max-new-tokens`` shrink it (a smoke run).
 
 Reports (medians over --repeats, each repeat on the same sampled responses)
 - update: completion tokens x epochs / seconds of the update (credit + reference log-probs + the epochs'
@@ -52,14 +54,14 @@ from vineppo.prompts import Prompter
 from vineppo.tasks import get_task
 from vineppo.trainer import build_models, graded_episodes
 
-PRESET = dict(algo="grpo", estimator="grpo", prompts_per_iter=16, samples_per_prompt=8, temperature=0.6,
-              top_p=0.9, max_new_tokens=160, epochs=2, minibatch=64, micro_batch=32, lr=3e-5, kl_coef=1e-4)
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trl_grpo.py"
 
 
-def setup(model_dir: str, seed: int = 0):
-    """The model, its frozen reference, the optimiser, the prompter and the engine, as `vineppo train` builds them."""
-    cfg = dataclasses.replace(configs.TrainConfig(), model=model_dir, seed=seed, **PRESET)
+def setup(model_dir: str, seed: int = 0, **smaller):
+    """The model, its frozen reference, the optimiser, the prompter and the engine, as `vineppo train --algo grpo`
+    builds them with the arith-tiny preset; `smaller`: settings that shrink the workload (prompts_per_iter, ...)."""
+    cfg = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "grpo", "model": model_dir, "seed": seed,
+                                                              **smaller}, source="arith-tiny")
     task = get_task("arith")
     policy, tok = load_model(model_dir, device="cpu", verbose=False)
     models = build_models(cfg, policy, torch.device("cpu"))  # the set-up `vineppo train` makes
@@ -125,8 +127,8 @@ def run_trl(model_dir: str, python: str, script: Path, threads: int) -> float | 
     return float(row["tokens_per_s"])
 
 
-def main() -> None:
-    """Parse flags, run the workload, print the table (or one JSON line)."""
+def _parser() -> argparse.ArgumentParser:
+    """The benchmark's flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="an SFT model folder of arith (vineppo sft); or --shape")
     p.add_argument("--shape", choices=sorted(shapes.SHAPES), help="random weights of this shape (see shapes.py)")
@@ -136,10 +138,18 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0, help="with --shape: workload size (< 1: a smoke run)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=0, help="prompts per iteration (default: the preset's 16)")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="new tokens at most (default: the preset's 160)")
     p.add_argument("--trl-python", default=None, help="python of a venv with trl==1.16.0 (default: this one if trl "
                                                        "is importable)")
     p.add_argument("--trl-script", default=str(PEER), help="the peer script trl_grpo.py")
     p.add_argument("--json", action="store_true")
+    return p
+
+
+def main() -> None:
+    """Parse flags, run the workload, print the table (or one JSON line)."""
+    p = _parser()
     args = p.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -149,7 +159,8 @@ def main() -> None:
         return
     if not args.model:
         p.error("--model or --shape is required")
-    cfg, task, prompter, ctx = setup(args.model)
+    smaller = {k: v for k, v in (("prompts_per_iter", args.prompts), ("max_new_tokens", args.max_new_tokens)) if v}
+    cfg, task, prompter, ctx = setup(args.model, **smaller)
     episodes, _ = sample(cfg, task, prompter, ctx, seed=99)  # warm-up of the engine and the update
     time_update(episodes, ctx)
     trl_python = args.trl_python or (sys.executable if importlib.util.find_spec("trl") else None)
@@ -164,7 +175,9 @@ def main() -> None:
         plain = time_limit(episodes, ctx, share=False)
         rows.append(dict(tokens=tokens, sampling_s=sampling, update_s=update, limit_s=limit, plain_limit_s=plain))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    out = dict(model=args.model, threads=threads, repeats=args.repeats, completion_tokens=med["tokens"],
+    out = dict(model=args.model, threads=threads, repeats=args.repeats, prompts_per_iter=cfg.prompts_per_iter,
+               samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
+               token_budget=cfg.token_budget, completion_tokens=med["tokens"],
                update_tokens_per_s=med["tokens"] * cfg.epochs / med["update_s"],
                limit_tokens_per_s=med["tokens"] * cfg.epochs / med["limit_s"],
                unshared_limit_tokens_per_s=med["tokens"] * cfg.epochs / med["plain_limit_s"],

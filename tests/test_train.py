@@ -19,7 +19,8 @@ from vineppo import config as configs
 from vineppo.credit import Episode
 from vineppo.errors import UserError
 from vineppo.tasks import TASKS, Task, get_task, register
-from vineppo.trainer import train
+from vineppo.tracking import Tracker, plan, plot_run
+from vineppo.trainer import RunState, rounded, train
 from vineppo.tasks import Example
 
 SMALL = dict(prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, mc_k=2, mc_max_states=4, minibatch=8,
@@ -37,14 +38,21 @@ def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo):
     out = tmp_path / algo
     assert summary["iterations"] == 2
     saved = json.loads((out / "summary.json").read_text())
-    assert set(saved) == {"sft_test_pass@1", "final_test_pass@1", "best_test_pass@1", "gain", "iterations",
-                          "wall_clock_s", "train_s", "time_budget_reached", "sft_test_behaviours",
-                          "final_test_behaviours"}
-    assert saved["gain"] == pytest.approx(saved["final_test_pass@1"] - saved["sft_test_pass@1"])
-    for key in ("sft_test_behaviours", "final_test_behaviours"):  # arith names its behaviours; shares add up to 1
+    times = ("wall_clock_s", "setup_s", "start_eval_s", "train_s", "eval_s", "save_s")
+    assert set(saved) == {"start_test_pass@1", "final_test_pass@1", "best_test_pass@1", "gain", "iterations",
+                          *times, "time_budget_reached", "start_test_behaviours", "final_test_behaviours",
+                          "sft_test_pass@1", "sft_test_behaviours"}  # sft_*: the start's earlier names, kept
+    assert saved["sft_test_pass@1"] == saved["start_test_pass@1"]
+    assert saved["sft_test_behaviours"] == saved["start_test_behaviours"]
+    assert saved["gain"] == round(saved["final_test_pass@1"] - saved["start_test_pass@1"], 6)  # no 0.0199999...
+    for key in ("start_test_behaviours", "final_test_behaviours"):  # arith names its behaviours; shares add up to 1
         assert set(saved[key]) == set(get_task("arith").behaviours) and sum(saved[key].values()) == pytest.approx(1)
     assert (out / "curves.png").stat().st_size > 0  # the run's plot
     assert not saved["time_budget_reached"] and 0 < saved["train_s"] <= saved["wall_clock_s"]
+    assert all(saved[k] == round(saved[k], 1) for k in times)
+    # the clock counts from the call, so the parts (set-up, the starting model's evaluation, ...) add up to it
+    assert saved["setup_s"] > 0 and saved["start_eval_s"] > 0 and saved["eval_s"] > 0
+    assert sum(saved[k] for k in times[1:]) == pytest.approx(saved["wall_clock_s"], abs=0.5)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[1]["episodes"] == 16 and "kl" in rows[1] and "time/update_s" in rows[1]
@@ -81,7 +89,7 @@ def test_time_budget_stops_then_evaluates_and_saves(tiny_sft, tmp_path):
     assert summary["iterations"] == 1 and summary["time_budget_reached"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and "test/pass@1" in rows[1]  # the final evaluation ran
-    assert rows[1]["time/train_s"] == summary["train_s"] >= 1e-6
+    assert round(rows[1]["time/train_s"], 1) == summary["train_s"] and rows[1]["time/train_s"] >= 1e-6  # to 0.1 s
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter-000001"
 
 
@@ -115,6 +123,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_sft, tmp_path):
         assert torch.equal(a[k], b[k]), k
     rows = [json.loads(line)["iteration"] for line in (part / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3, 4]  # no iteration logged twice after the resume
+    tables = [json.loads(line)["iteration"] for line in (part / "completions.jsonl").read_text().splitlines()]
+    assert tables == [1] * 16 + [4] * 16  # after iteration 1 and the last, each once: 4 prompts x 4 responses
 
 
 def test_every_response_truncated_is_a_clear_error(tiny_sft, tmp_path):
@@ -179,10 +189,12 @@ def test_train_without_config_uses_the_task_preset(tiny_sft, tmp_path, monkeypat
     import vineppo.commands.train as train_mod
 
     seen = []
-    monkeypatch.setattr(train_mod, "train", lambda cfg, resume=None: seen.append(cfg) or {"out": "x"})
-    for task, preset in (("gsm8k", "gsm8k"), ("math", "math"), ("arith", "arith-tiny")):
-        assert _main(["train", "--task", task, "--json"]) == 0
-        want, got = configs.resolve(configs.load_preset(preset), {}), seen[-1]
+    monkeypatch.setattr(train_mod, "train", lambda cfg, resume=None, **kw: seen.append(cfg) or {"out": "x"})
+    custom = ["--model", "m", "--reward", "r.py:f", "--device", "cpu"]  # what task custom needs; on a CPU
+    for task, preset in (("gsm8k", "gsm8k"), ("math", "math"), ("arith", "arith-tiny"), ("custom", "custom-cpu")):
+        assert _main(["train", "--task", task, "--json", *(custom if task == "custom" else [])]) == 0
+        need = {"model": "m", "reward": ["r.py:f"]} if task == "custom" else {}
+        want, got = configs.resolve(configs.load_preset(preset), need), seen[-1]
         assert (got.task, got.lr, got.max_new_tokens) == (task, want.lr, want.max_new_tokens), \
             f"--task {task} without --config did not run with preset {preset}"
         assert got.preset == preset
@@ -243,3 +255,75 @@ def test_oversampled_run_updates_on_the_kept_prompts(tiny_sft, tmp_path):
     assert row["episodes"] == 3 * 16  # every drawn prompt's responses are sampled and graded ...
     assert row["mc/states_shared"] <= 16 * SMALL["mc_max_states"]  # ... the Monte Carlo runs on the 4 kept prompts
     assert 0.0 <= row["train/kept_mixed_prompts"] <= 1.0
+
+
+def test_a_run_in_a_log_file_says_its_plan_and_every_phase_and_writes_its_completions(tiny_sft, tmp_path, capsys):
+    """Outside a terminal (here: pytest's captured stderr) a run prints its plan first, then a line per phase, so a
+    log file is never silent for a whole iteration; completions.jsonl holds what the model wrote."""
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    train(_cfg(tiny_sft, out, algo="grpo", iterations=2, completions_every=2))
+    err = capsys.readouterr().err
+    assert "plan: 2 iterations x 4 prompts x 4 responses x at most 64 tokens; no Monte Carlo; 3 evaluations of 4 " \
+           "problems x 2 samples" in err and "warning" not in err
+    for line in ("evaluating the starting model (", "iter 1/2 sampling (", "iter 1/2 grading (",
+                 "iter 1/2 updating (", "iter 1/2 evaluating (", "iter 2/2 saving (", "iter 2/2 reward "):
+        assert line in err, line
+    assert err.index("plan:") < err.index("evaluating the starting model")
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1] * 16 + [2] * 16
+    assert {"example", "prompt", "completion", "reward", "finish"} <= set(rows[0])
+    assert rows[0]["prompt"] and rows[0]["prompt"] in {ex.problem for ex in get_task("arith").load("train", None, 0)}
+    assert all(r["finish"] in ("stop", "length") and isinstance(r["completion"], str) for r in rows)
+
+
+def test_gpu_sized_settings_on_a_cpu_are_warned_with_the_preset_to_use():
+    paper = configs.resolve({}, {"task": "custom", "model": "m", "reward": ["r.py:f"]})  # TrainConfig's defaults
+    line, warning = plan(paper, "cpu", 0, 100)
+    assert line.startswith("plan: 1000 iterations x 64 prompts x 8 responses x at most 1024 tokens; Monte Carlo: "
+                           "K = 9 continuations from each of at most 25 states per response; 101 evaluations of 100")
+    assert warning.startswith("warning: GPU-sized settings on a CPU") and "--config custom-cpu" in warning
+    assert plan(paper, "cuda", 0, 100)[1] is None  # the same settings are a GPU's
+    small = configs.resolve(configs.load_preset("custom-cpu"), {"model": "m", "reward": ["r.py:f"]})
+    assert plan(small, "cpu", 0, 61) == ("plan: 10 iterations x 8 prompts x 8 responses x at most 48 tokens; Monte "
+                                         "Carlo: K = 3 continuations from each of at most 25 states per response; 3 "
+                                         "evaluations of 61 problems x 4 samples", None)
+    assert "--config arith-tiny" in plan(configs.resolve({}, {}), "cpu", 0, 500)[1]
+    assert plan(small, "cpu", 5, 61)[0].startswith("plan: 5 iterations")  # a resume plans what is left
+    assert plan(configs.resolve({}, {"eval_problems": 0}), "cpu", 0, 0)[0].endswith("no evaluation")
+
+
+def test_the_summary_rounds_and_reads_states_saved_before_the_rename():
+    assert rounded({"gain": 0.46125 - 0.44125, "wall_clock_s": 722.04817, "shares": {"a": 1 / 3}, "n": 7}) == \
+        {"gain": 0.02, "wall_clock_s": 722.0, "shares": {"a": 0.333333}, "n": 7}
+    state = RunState.from_json({"iteration": 3, "sft_test_pass@1": 0.25, "sft_test_behaviours": {"careful": 1.0},
+                                "wall_clock_s": 9.0})
+    assert (state.start_test_pass1, state.start_test_behaviours, state.setup_s) == (0.25, {"careful": 1.0}, 0.0)
+
+
+def test_curves_show_the_training_reward_of_a_run_without_evaluations(tmp_path):
+    rows = [{"iteration": i, "train/reward": 0.1 * i, "time/train_s": 2.0 * i} for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_run(tmp_path) == tmp_path / "curves.png" and (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_the_algo_flag_s_help_names_the_algorithms(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps at hyphens (grpo-trl) in a narrow terminal
+    assert _main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "ALGOS" not in text
+    assert "one of " + ", ".join(configs.ALGOS) + ": picks the update" in text
+
+
+def test_a_completions_table_goes_to_its_jsonl_and_to_tensorboard_as_text(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # optional: TensorBoard
+
+    tracker = Tracker(tmp_path, tensorboard=True)
+    tracker.table(3, [{"prompt": [{"role": "user", "content": "a | b"}], "completion": "x\ny", "reward": 1.0}])
+    tracker.close()
+    assert json.loads((tmp_path / "completions.jsonl").read_text()) == \
+        {"iteration": 3, "prompt": [{"role": "user", "content": "a | b"}], "completion": "x\ny", "reward": 1.0}
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    text = events.Tensors("completions/text_summary")[0]
+    assert text.step == 3 and b"x<br>y" in text.tensor_proto.string_val[0]

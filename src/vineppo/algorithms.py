@@ -110,12 +110,16 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     for net in (ctx.policy, ctx.critic):  # gradient checkpointing acts in training mode only
         if net is not None:
             net.train()
-    old = [torch.tensor(ep.logprobs) for ep in episodes] if sampler_logprobs(ctx, episodes) else None
-    data = Rollouts(prompts=[ep.prompt_ids for ep in episodes], responses=[ep.response_ids for ep in episodes],
+    trained = episodes + credit.extra  # the estimator's further samples (tree rollouts) train with the episodes
+    old = [torch.tensor(ep.logprobs) for ep in trained] if sampler_logprobs(ctx, trained) else None
+    data = Rollouts(prompts=[ep.prompt_ids for ep in trained], responses=[ep.response_ids for ep in trained],
                     advantages=advantages, pad_id=ctx.tokenizer.pad_token_id, returns=credit.returns,
-                    old_values=credit.values, old_logprobs=old, ids=_global_ids(episodes, cfg.samples_per_prompt),
-                    truncated=[ep.truncated for ep in episodes])
+                    old_values=credit.values, old_logprobs=old,
+                    ids=_global_ids(episodes, cfg.samples_per_prompt, len(credit.extra)),
+                    truncated=[ep.truncated for ep in trained])
     metrics.update(loss_advantages(data, update_cfg))
+    metrics["train/trained_episodes"], metrics["train/trained_tokens"] = dist.all_sum(
+        [float(len(trained)), float(sum(len(ep.response_ids) for ep in trained))])
     nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
                    critic_optimizer=ctx.critic_opt)
     metrics.update({f"guard/{name}": gap for name, gap in guard.check(nets, data, update_cfg).items()})
@@ -171,9 +175,15 @@ def free_engine(ctx: Context) -> None:
         ctx.engine.sleep()
 
 
-def _global_ids(episodes: list[Episode], per_prompt: int) -> list[int]:
-    """Each episode's index in the iteration's whole batch over all ranks (its prompt's batch index x samples + j)."""
-    return [ep.group * per_prompt + j % per_prompt for j, ep in enumerate(episodes)]
+def _global_ids(episodes: list[Episode], per_prompt: int, extra: int = 0) -> list[int]:
+    """Each episode's index in the iteration's whole batch over all ranks (its prompt's batch index x samples + j),
+    then this rank's `extra` further episodes numbered after every rank's episodes, rank by rank."""
+    ids = [ep.group * per_prompt + j % per_prompt for j, ep in enumerate(episodes)]
+    if not extra and not dist.active():
+        return ids
+    first = max(dist.all_gather_objects(max(ids, default=-1))) + 1
+    start = first + sum(dist.all_gather_objects(extra)[: dist.rank()])
+    return ids + list(range(start, start + extra))
 
 
 def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:

@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from vineppo.credit import next_round
+from vineppo.credit import Episode, next_round
+from vineppo.credit.tempo import implied_values
 from vineppo.distributed import pick_device
 from vineppo.engine import Request, SamplingParams
 from vineppo.errors import UserError
@@ -52,7 +53,7 @@ from vineppo.runs import output_folder
 from vineppo.steps import step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, get_task
 
-METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo")
+METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo", "tempo")
 K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order
 EXTRA_K = sum(k for _, k in K_SLICES)  # 13 continuations per state beyond the ground truth
 RESPONSES_PER_PROBLEM = 8  # as in training: a group for GRPO/RLOO
@@ -174,16 +175,19 @@ def sample_states(engine, prompter: Prompter, task, examples: list, n_states: in
     prompts = [prompter.prompt(ex) for ex in problems]
     outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator)
     states = []
-    for ex, prompt, samples in zip(problems, prompts, outputs):
+    for g, (ex, prompt, samples) in enumerate(zip(problems, prompts, outputs)):
         rewards = outcome_rewards(task.score, [ex] * len(samples), samples)
-        for m, s in enumerate(samples):
-            steps = step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
-            t = rng.randrange(len(steps))
+        steps = [step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
+                 for s in samples]
+        chosen = [rng.randrange(len(st)) for st in steps]
+        group = [Episode(prompt, list(s.token_ids), s.text, r, g, ex, st) for s, r, st in zip(samples, rewards, steps)]
+        tempo = implied_values(group, [st[t][0] for st, t in zip(steps, chosen)])
+        for m, (s, st, t) in enumerate(zip(samples, steps, chosen)):
             # an empty last step starts at the response's end: the state is the finished response
-            finished = rewards[m] if steps[t][0] == len(s.token_ids) else None
-            node = Node(prompt + list(s.token_ids), len(prompt) + steps[t][0], len(prompt), ex, finished)
-            states.append({"node": node, "problem": ex.id, "t": t, "steps": len(steps), "reward": rewards[m],
-                           **group_baselines(rewards, m)})
+            finished = rewards[m] if st[t][0] == len(s.token_ids) else None
+            node = Node(prompt + list(s.token_ids), len(prompt) + st[t][0], len(prompt), ex, finished)
+            states.append({"node": node, "problem": ex.id, "t": t, "steps": len(st), "reward": rewards[m],
+                           **group_baselines(rewards, m), "tempo": tempo[m][0], "tempo_shared": tempo[m][1]})
     return states[:n_states]
 
 
@@ -291,13 +295,14 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
     for s, e in zip(picked, est):
         rows.append({"problem": s["problem"], "t": s["t"], "steps": s["steps"], "reward": s["reward"],
                      "true": e["true"], **{m: e[m] for m in METHODS if m.startswith("vineppo") or m == "ppo_critic"},
-                     "grpo": s["grpo"], "rloo": s["rloo"]})
+                     "grpo": s["grpo"], "rloo": s["rloo"], "tempo": s["tempo"], "tempo_shared": s["tempo_shared"]})
     truth = [r["true"] for r in rows]
     maes = {m: None if any(r[m] is None for r in rows) else mae([r[m] for r in rows], truth) for m in METHODS}
 
     ranking, counted, excluded = _ranking(picked, ranked, alts, est, with_critic=critic_values is not None)
     compute = compute_axis(est[:len(picked)], spent[:len(picked)], est[len(picked):], [len(g) for g in alts])
     return {"mae": maes, "ranking_accuracy": ranking, "states": len(rows), "compute": compute,
+            "tempo_shared_states": sum(r["tempo_shared"] for r in rows) / max(len(rows), 1),
             "ranking": {"states": len(ranked), "alternatives": sum(len(g) for g in alts),
                         "pairs": counted, "pairs_excluded_true_tie": excluded},
             "settings": {"gt_k": gt_k, "alternatives": alternatives, "seed": seed, "temperature": TEMPERATURE,
@@ -322,8 +327,8 @@ def _ranking(picked: list[dict], ranked: list[int], alts: list[list], est: list[
         offset += len(group)
         true = [x["true"] for x in e]
         for m in METHODS:
-            if m in ("grpo", "rloo"):
-                pred = [picked[i][m]] * len(group)  # one baseline for every token of the response
+            if m in ("grpo", "rloo", "tempo"):
+                pred = [picked[i][m]] * len(group)  # one value for every next step: none of them is in the group
             elif m == "ppo_critic" and not with_critic:
                 continue
             else:

@@ -6,8 +6,10 @@
 `data` and `eval_data` are lists of dicts, `datasets.Dataset`s or file names (as `--data` takes them), and
 `reward` is one reward function in TRL's form or a list of them (vineppo.rewards); each given one replaces its
 TrainConfig field, so a config that names everything (`data="train.jsonl", reward=["rewards.py:f"]`) needs
-nothing more. As on the command line, the fields a config leaves at their defaults take its algorithm's
-(`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS). `train` returns the run summary
+nothing more. As on the command line, the fields a config leaves at their defaults take the task's preset (on
+a CPU, task custom's is `custom-cpu`: 10 iterations of 8 prompts x 8 responses of at most 48 tokens) and its
+algorithm's (`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS); a field set to its default value
+counts as left there. `preset=` names another preset (a name or a YAML file). `train` returns the run summary
 (summary.json), `evaluate` the evaluation of `config.model` on the evaluation data by the settings of the
 in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
 """
@@ -15,6 +17,7 @@ in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +27,7 @@ from vineppo import evaluation, trainer
 from vineppo.config import TrainConfig
 from vineppo.errors import UserError
 from vineppo.loading import LoadSpec, load
-from vineppo.tasks import Task, get_task
+from vineppo.tasks import TASKS, Task, get_task
 from vineppo.tasks.custom import PYTHON, Settings, make_task
 
 Rows = Any  # a list of dicts, a datasets.Dataset, or a file name / hub:NAME as --data takes it
@@ -34,9 +37,10 @@ Reward = Callable[..., list]
 def train(config: TrainConfig, data: Rows = None, eval_data: Rows = None,
           reward: Reward | list[Reward] | None = None, resume: str | Path | None = None) -> dict:
     """Train as `config` says, on `data` with `reward` when given; returns the run summary (resume: a run folder)."""
+    started = time.perf_counter()  # the run's wall_clock_s counts from this call
     cfg, task = _with_task(config, data, eval_data, reward)
     try:
-        return trainer.train(cfg, Path(resume) if resume else None, task=task)
+        return trainer.train(cfg, Path(resume) if resume else None, task=task, started=started)
     finally:
         dist.shutdown()
 
@@ -71,6 +75,13 @@ def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward 
     defaults = TrainConfig()
     changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != getattr(defaults, f.name) and f.name != "preset"}
-    cfg = configs.resolve({}, {**changed, **given}, source="TrainConfig")
+    name = config.preset or _task_preset(changed.get("task", defaults.task), changed.get("device", defaults.device))
+    cfg = configs.resolve(configs.load_preset(name) if name else {}, {**changed, **given}, source=name or "TrainConfig")
+    cfg.preset = name
     task = make_task(Settings.read(cfg), objects) if objects else get_task(cfg.task, cfg)
     return cfg, task
+
+
+def _task_preset(task: str, device: str) -> str | None:
+    """The preset of `task` on `device` as `vineppo train` picks it without --config (None: the defaults alone)."""
+    return (TASKS[task].preset_on(dist.pick_device(device).type) or None) if task in TASKS else None

@@ -40,6 +40,11 @@ class Algo:
 # Every algorithm, in the order reports list them. A variant of an existing update is one entry here.
 ALGOS: dict[str, Algo] = {
     "vineppo": Algo("ppo", {"estimator": "vine", "gae_lambda": 0.0}, "PPO on per-step Monte Carlo values"),
+    # the same Monte Carlo values; every continuation also trains, against its siblings' mean (tree rollouts)
+    "vineppo-tree": Algo("ppo", {"estimator": "vine", "gae_lambda": 0.0, "mc_train_fraction": 1.0},
+                         "VinePPO whose Monte Carlo continuations train too"),
+    # step values from the prefixes the group's own responses share: no extra rollouts
+    "tempo": Algo("ppo", {"estimator": "tempo", "gae_lambda": 0.0}, "PPO on step values from shared prefixes"),
     "ppo": Algo("ppo", {"estimator": "gae", "gae_lambda": 1.0}, "PPO with a learned critic and GAE"),
     "grpo": Algo("ppo", {"estimator": "grpo"}, "PPO on group-normalised rewards (the paper's setting)"),
     # GRPO as TRL's GRPOTrainer runs it by default (docs/algorithms.md, row by row): DAPO's token mean, the
@@ -90,6 +95,7 @@ class TrainConfig:
     mc_k_min: int = 0  # VinePPO adaptive K: continuations in a state's first round (0: always mc_k, the paper's)
     mc_rule: str = "agree"  # adaptive K: a state is settled when its (>= mc_k_min) outcomes all agree, or ci:W (95% Wilson half-width <= W)
     mc_states: str = "all"  # VinePPO states: all step starts | every:N steps | tokens:N apart | budget:B per response
+    mc_train_fraction: float = 0.0  # VinePPO: share of each state's continuations that also train, as episodes with a leave-one-out advantage (tree rollouts; 0: none, the paper's)
     gamma: float = 1.0  # discount
     gae_lambda: float = 0.0  # GAE lambda (0 for VinePPO, 1 for PPO)
     epochs: int = 2  # passes over the iteration's episodes
@@ -123,6 +129,7 @@ class TrainConfig:
     eval_samples: int = 16  # samples per problem for pass@1
     eval_temperature: float = 0.35  # evaluation sampling temperature
     save_every: int = 10  # iterations between checkpoints (always one at the end)
+    completions_every: int = 10  # iterations between tables of sampled responses in completions.jsonl (also after iteration 1 and the last; 0: none)
     keep_checkpoints: int = 2  # checkpoints kept on disk
     token_budget: int = 0  # engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds); 0: auto, 65536 on a CPU, from free memory on a GPU
     cuda_graphs: bool = True  # native engine on CUDA: decode steps replayed as CUDA graphs (false: eager steps)
@@ -184,14 +191,14 @@ RULES: dict[str, Rule] = {
                 "must be agree or ci:W with 0 < W <= 0.5"),
     "mc_states": (lambda v: re.fullmatch(r"all|(every|tokens|budget):[1-9]\d*", v) is not None,
                   "must be all, every:N, tokens:N or budget:B (N, B >= 1)"),
-    "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
+    "mc_train_fraction": FRACTION, "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
     "micro_batch": AT_LEAST_1, "micro_batch_tokens": AT_LEAST_0, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE, "clip_high": POSITIVE,
     "loss_agg": (lambda v: v in LOSS_AGGS, f"must be one of {', '.join(LOSS_AGGS)}"),
     "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"must be one of {', '.join(KL_ESTIMATORS)}"),
     "scale_rewards": (lambda v: v in REWARD_SCALES, f"must be one of {', '.join(REWARD_SCALES)}"),
     "time_budget_s": NON_NEGATIVE, "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
-    "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1,
+    "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1, "completions_every": AT_LEAST_0,
     "token_budget": AT_LEAST_0, "dtype": (lambda v: v in ("float32", "bfloat16", "auto"), "must be float32, bfloat16 or auto"),
     "lora_r": AT_LEAST_0, "lora_alpha": POSITIVE, "lora_targets": (lambda v: v.strip(",  ") != "", "must name modules"),
     "sample_from": (lambda v: v in ("policy", "sft"), "must be policy or sft"),
@@ -210,10 +217,12 @@ NEEDS_PEFT = "needs peft (pip install 'vineppo[lora]')"
 
 # Rules over several fields: (the field an error names, test, what must hold).
 COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
-    ("samples_per_prompt", lambda c: c.estimator not in ("grpo", "rloo") or c.samples_per_prompt >= 2,
+    ("samples_per_prompt", lambda c: c.estimator not in ("grpo", "rloo", "tempo") or c.samples_per_prompt >= 2,
      lambda c: f"{c.algo} compares the responses to one prompt and needs at least 2 (with 1 every advantage is 0)"),
     ("samples_per_prompt", lambda c: ALGOS[c.algo].update != "dpo-positive" or c.samples_per_prompt >= 2,
      lambda c: f"{c.algo} pairs responses to one prompt and needs at least 2"),
+    ("mc_train_fraction", lambda c: c.mc_train_fraction == 0 or (c.estimator == "vine" and c.mc_k >= 2),
+     lambda c: "trains VinePPO's continuations against their siblings: it needs --estimator vine and --mc-k >= 2"),
     ("sample_from", lambda c: c.sample_from == "policy" or c.estimator == "none",
      lambda c: f"{c.algo} learns on-policy (its update and credit assume its own samples); sft is for dpo-positive "
                f"or restem"),
@@ -361,7 +370,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
         repeat = {"action": "append"} if str(f.type).startswith("list") else {}  # --reward a.py:f --reward b.py:g
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
-                            help=_comment(f.name).replace("%", "%%"), **repeat)  # argparse %-formats help text
+                            help=help_text(f.name).replace("%", "%%"), **repeat)  # argparse %-formats help text
 
 
 def overrides_from(args: argparse.Namespace) -> dict:
@@ -398,6 +407,20 @@ def _bool(text: str) -> bool:
     if text.lower() in _BOOLS:
         return _BOOLS[text.lower()]
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def help_text(name: str) -> str:
+    """A field's --help text: its comment, with a name of this module's tables (one of ALGOS) replaced by the names
+    it holds (one of vineppo, ppo, ...)."""
+    return re.sub(r"\b[A-Z][A-Z_]{2,}\b", lambda m: _names(m.group()) or m.group(), _comment(name))
+
+
+def _names(constant: str) -> str:
+    """The names a table of this module holds, comma-separated ('' for anything else)."""
+    value = globals().get(constant)
+    if isinstance(value, (dict, tuple)) and value and all(isinstance(k, str) for k in value):
+        return ", ".join(value)
+    return ""
 
 
 def _comment(name: str) -> str:

@@ -138,7 +138,7 @@ def advantages(episodes: list[Episode], chosen: list[int], ctx: CreditContext, g
     """Per method, the advantages of episodes[chosen]: group methods see every episode of the groups."""
     subset = [episodes[i] for i in chosen]
     out = {}
-    for name in ("grpo", "rloo"):
+    for name in ("grpo", "rloo", "tempo"):  # tempo: values from the prefixes the group's responses share
         full = get_estimator(name)(episodes, ctx).advantages
         out[name] = [full[i] for i in chosen]
     for n, (name, k, k_min) in enumerate(VINE + (("truth", gt_k, 0),)):

@@ -8,9 +8,8 @@
 - `fewshot:N`: N solved train problems in the plain format (solution, blank line), then the problem in the
   plain format. The task's stop string `\\n\\nProblem:` ends a response that goes on to a new problem.
 - `auto`: the format recorded in the model folder (`vineppo.json`, written by `vineppo sft` and by training
-  checkpoints), else `chat` when the tokenizer has a chat template, else `plain`. A `custom` task chooses by
-  its data: `chat` for prompts that are chat turns; for text prompts the recorded format, else `plain` (the
-  text as it is, as TRL uses a prompt of its standard format).
+  checkpoints), else `chat` when the tokenizer has a chat template, else `plain`; for every task, `custom`
+  included. A `custom` task whose prompts are chat turns is always `chat`.
 
 A `custom` task's chat prompt is its data's own turns (`Task.chat_turns`); a text prompt in `chat` is one user
 turn with the text alone (the task has no instruction).
@@ -28,7 +27,7 @@ from vineppo.tasks import Example, Task
 SAVED = "vineppo.json"  # in a model folder: {"prompt_format": ..., "dtype": ...}
 DTYPES = ("float32", "bfloat16", "float16")
 HELP = "plain, chat, fewshot:N or auto (default: the model folder's recorded format, else chat if the " \
-       "tokenizer has a chat template, else plain)"
+       "tokenizer has a chat template, else plain; a custom task's chat-turn prompts: chat)"
 
 
 

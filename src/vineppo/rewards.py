@@ -6,6 +6,11 @@ lists of `{role, content}` messages (the prompt's turns; one assistant message p
 arguments are `completion_ids` (each completion's token ids) and every column of the data but the prompt's,
 one entry per completion. A function written for TRL runs unchanged, `async def` ones included.
 
+As TRL's GRPOTrainer does, a call also passes `trainer_state` (`TrainerState`: `global_step`, `max_steps`,
+`epoch`), `log_metric(name, value)` (a scalar, averaged per iteration into the run's metrics as `metric/NAME`)
+and `log_extra(column, values)` (a column of the run's completions table, one value per completion), to the
+functions that name them or take **kwargs; a function that takes neither does not get them (`RewardLog`).
+
 Several functions add up, each times its weight (`--reward-weights`, 1 each by default). A function's None
 for a completion leaves that function out of its sum (TRL's rule for rewards that apply to some rows only);
 a completion that every function leaves out has no reward: the trainer leaves it out of the loss and counts it.
@@ -28,14 +33,16 @@ import signal
 import sys
 import threading
 import traceback
+from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from vineppo.errors import RewardError, UserError
 
 ARGUMENTS = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
+CONTEXT = ("trainer_state", "log_metric", "log_extra")  # what TRL passes too, to the functions that take them
 SPEC_HELP = "FILE.py:FUNCTION or package.module:FUNCTION"
 
 
@@ -48,6 +55,59 @@ class Batch:
     completion_ids: list[list[int]]
     columns: dict[str, list]  # every other column of the data
     where: list[str]  # each completion's example (file:line), for error messages
+
+
+@dataclass
+class TrainerState:
+    """The training progress a reward function reads as `trainer_state` (the fields of TRL's TrainerState it uses)."""
+
+    global_step: int = 0  # iterations done before the current one
+    max_steps: int = 0  # the run's iterations
+    epoch: float = 0.0  # passes over the training prompts so far (iterations done x prompts per iteration / prompts)
+
+
+@dataclass
+class Call:
+    """One call of the reward functions on a batch: each function's values and the columns it logged."""
+
+    values: dict[str, list[float | None]]  # function name -> its value per completion (before weighting)
+    extra: dict[str, list]  # log_extra's columns, one value per completion
+
+
+@dataclass
+class RewardLog:
+    """What the reward functions give besides the weighted sum: `trainer_state`, the scalars of `log_metric`, and the
+    calls (each function's values, `log_extra`'s columns) since the trainer last took them."""
+
+    state: TrainerState = field(default_factory=TrainerState)
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    calls: list[Call] = field(default_factory=list)
+    extra: dict[str, list] = field(default_factory=dict)  # the current call's log_extra columns
+
+    def log_metric(self, name: str, value: float) -> None:
+        """A reward function's scalar (TRL's `log_metric`): averaged per iteration into the metrics as metric/NAME."""
+        if not isinstance(name, str) or not name:
+            raise RewardError(f"log_metric: the name must be text, got {name!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(f"log_metric({name!r}, {value!r}): the value must be a finite number")
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """A column of the completions table (TRL's `log_extra`): one value per completion of the current batch."""
+        if not isinstance(column, str) or not column:
+            raise RewardError(f"log_extra: the column name must be text, got {column!r}")
+        self.extra.setdefault(column, []).extend(values.tolist() if hasattr(values, "tolist") else list(values))
+
+    def take_metrics(self) -> dict[str, tuple[float, int]]:
+        """The logged scalars since the last take, as (sum, count) per name; the log starts afresh."""
+        out = {k: (sum(v), len(v)) for k, v in self.metrics.items() if v}
+        self.metrics.clear()
+        return out
+
+    def take_calls(self) -> list[Call]:
+        """The calls since the last take, oldest first; the log starts afresh."""
+        out, self.calls = self.calls, []
+        return out
 
 
 def load_function(spec: str) -> tuple[str, Callable]:
@@ -103,9 +163,24 @@ def one_line(e: BaseException, file: Path | None = None) -> str:
     text = (str(e).strip().splitlines() or [""])[0][:300]
     frames = traceback.extract_tb(e.__traceback__)
     mine = [f for f in frames if file is None or Path(f.filename).resolve() == file.resolve()]
-    line = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else (mine[-1].lineno if mine else None)
+    if isinstance(e, SyntaxError):  # str(e) ends in "(file, line N)": the message alone, and the line once
+        text, line = (e.msg or text)[:300], e.lineno
+    else:
+        line = mine[-1].lineno if mine else None
     at = f" (line {line})" if line else ""
     return f"{type(e).__name__}: {text}{at}" if text else f"{type(e).__name__}{at}"
+
+
+def accepted_context(fn: Callable) -> tuple[str, ...]:
+    """The names of CONTEXT that `fn` takes: all of them with **kwargs, else those it names (none for a function
+    whose signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return CONTEXT
+    return tuple(p.name for p in params if p.name in CONTEXT and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def check_signature(name: str, fn: Callable, columns: list[str]) -> None:
@@ -118,10 +193,11 @@ def check_signature(name: str, fn: Callable, columns: list[str]) -> None:
     passed = [*ARGUMENTS, *columns]
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    missing = [p for p in needed if p not in passed or p not in named]
+    missing = [p for p in needed if p not in CONTEXT and (p not in passed or p not in named)]
     if missing:
         raise UserError(f"reward function {name}: its argument(s) {', '.join(missing)} are not columns of the data "
-                        f"(columns: {', '.join(columns) or 'none'}) nor {', '.join(ARGUMENTS)} passed by name")
+                        f"(columns: {', '.join(columns) or 'none'}) nor {', '.join(ARGUMENTS + CONTEXT)} passed by "
+                        f"name")
     if not any(p.kind == p.VAR_KEYWORD for p in params) and (extra := [k for k in passed if k not in named]):
         raise UserError(f"reward function {name} does not take {', '.join(extra)}, which every call passes by name; "
                         f"add **kwargs to its arguments (TRL's form: def {name}(prompts, completions, **kwargs))")
@@ -137,22 +213,35 @@ class Rewards:
         if len(self.weights) != len(functions):
             raise UserError(f"--reward-weights: {len(self.weights)} weights for {len(functions)} reward functions")
         self.timeout_s = timeout_s
+        self.log = RewardLog()
+        self.context = {name: accepted_context(fn) for name, fn in functions}
 
     def __call__(self, batch: Batch) -> list[float | None]:
-        """Each completion's reward: the weighted sum of the numbers its functions gave, None when they gave none."""
-        total: list[float | None] = [None] * len(batch.completions)
+        """Each completion's reward: the weighted sum of the numbers its functions gave, None when they gave none.
+        Each function's values and the columns of `log_extra` are kept in `log` as one `Call`."""
+        n = len(batch.completions)
+        total: list[float | None] = [None] * n
+        values: dict[str, list[float | None]] = {}
+        self.log.extra = {}
         for (name, fn), weight in zip(self.functions, self.weights):
-            for i, value in enumerate(self._call(name, fn, batch)):
+            values[name] = self._call(name, fn, batch)
+            for i, value in enumerate(values[name]):
                 if value is not None:
                     total[i] = (total[i] or 0.0) + weight * value
+        for column, logged in self.log.extra.items():
+            if len(logged) != n:
+                raise RewardError(f"log_extra({column!r}, ...) got {len(logged)} values for a batch of {n} completions "
+                                  f"(one per completion; batch from {batch.where[0]})")
+        self.log.calls.append(Call(values, self.log.extra))
         return total
 
     def _call(self, name: str, fn: Callable, batch: Batch) -> list[float | None]:
         n = len(batch.completions)
+        given = {"trainer_state": self.log.state, "log_metric": self.log.log_metric, "log_extra": self.log.log_extra}
         try:
             with time_limit(self.timeout_s):
                 out = fn(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
-                         **batch.columns)
+                         **batch.columns, **{k: given[k] for k in self.context[name]})
                 if inspect.isawaitable(out):  # an `async def` reward, as TRL allows
                     out = asyncio.run(out)
         except TimeoutError:

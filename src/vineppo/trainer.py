@@ -34,23 +34,30 @@ from vineppo.loading import LoadSpec, load
 from vineppo.models import context_length, disable_dropout
 from vineppo.ppo import Critic
 from vineppo.prompts import Prompter
+from vineppo.rewards import Call, TrainerState
 from vineppo.sft import default_model, is_saved_model
 from vineppo.steps import every_n_tokens, step_token_ranges, token_char_offsets
 from vineppo.tasks import Example, Task, get_task
-from vineppo.tracking import Tracker, console, plot_run, progress_bar
+from vineppo.tracking import Tracker, console, plan, plot_run, progress_bar
 
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
+TABLE_ROWS = 32  # sampled responses in each table of completions.jsonl (the first prompts' groups)
+TIMES = ("wall_clock_s", "setup_s", "start_eval_s", "train_s", "eval_s", "save_s")  # the summary's seconds: all, parts
+ALIASES = ("start_test_pass@1", "start_test_behaviours")  # also in the summary as sft_*, their names before
 
 
-def train(cfg: TrainConfig, resume: Path | None = None, task: Task | None = None) -> dict:
+def train(cfg: TrainConfig, resume: Path | None = None, task: Task | None = None,
+          started: float | None = None) -> dict:
     """Run (or resume) RL training as configured; returns the run summary. `task`: the task object to train on
-    (the Python API's custom task), else the registered one `cfg.task` names, for `cfg`'s settings."""
+    (the Python API's custom task), else the registered one `cfg.task` names, for `cfg`'s settings. `started`: the
+    perf_counter() reading wall_clock_s counts from (the command line: the process start; default: this call)."""
+    started = time.perf_counter() if started is None else started
     cfg = configs.validate(cfg)  # callers of this function may build a TrainConfig by hand
     check_engine(cfg.engine)  # a missing vLLM fails before anything loads
     device = dist.init(cfg.device)
     out = Path(resume) if resume else _run_dir(cfg)
     with runs.locked(out, create=not resume, enabled=dist.is_main()):  # one run per folder, for its whole life
-        return _train(cfg, out, resume is not None, device, task)
+        return _train(cfg, out, resume is not None, device, task, started)
 
 
 @dataclass
@@ -58,15 +65,19 @@ class RunState:
     """A run's progress and records; a checkpoint's state.json holds it (keys spelled as in the summary)."""
 
     iteration: int = 0  # iterations done
-    wall_clock_s: float = 0.0  # since training began (the SFT model's evaluation is not counted)
-    train_s: float = 0.0  # sampling, credit and updates so far: what --time-budget-s counts
-    sft_test_pass1: float | None = None  # the SFT model's test pass@1 (iteration 0)
+    wall_clock_s: float = 0.0  # since the process started (Python API: since train() was called), over resumes
+    setup_s: float = 0.0  # of which: from the start to the first evaluation (imports, data, model loading, engine)
+    start_eval_s: float = 0.0  # of which: the starting model's evaluation (iteration 0)
+    train_s: float = 0.0  # of which: sampling, credit and updates so far: what --time-budget-s counts
+    eval_s: float = 0.0  # of which: the evaluations after iterations
+    save_s: float = 0.0  # of which: writing checkpoints (the rest: logging, tables, the summary)
+    start_test_pass1: float | None = None  # the starting model's test pass@1 (iteration 0; an SFT model or a release)
     best_test_pass1: float | None = None  # the best test pass@1 of any evaluation
     final_test_pass1: float | None = None  # the latest evaluation's test pass@1
     best_val_iteration: int | None = None  # the iteration with the best validation pass@1 (the earliest on ties)
     best_val_pass1: float | None = None
     test_at_best_val_pass1: float | None = None  # the test pass@1 at best_val_iteration
-    sft_test_behaviours: dict | None = None  # behaviour shares among the SFT model's test samples
+    start_test_behaviours: dict | None = None  # behaviour shares among the starting model's test samples
     final_test_behaviours: dict | None = None  # behaviour shares among the latest evaluation's test samples
 
     def to_json(self) -> dict:
@@ -77,7 +88,8 @@ class RunState:
     def from_json(cls, saved: dict) -> RunState:
         """The state of a state.json; one written before a field existed keeps that field's default."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in ((k.replace("pass@1", "pass1"), v) for k, v in saved.items()) if k in names})
+        renamed = ((k.replace("pass@1", "pass1").replace("sft_test_", "start_test_"), v) for k, v in saved.items())
+        return cls(**{k: v for k, v in renamed if k in names})  # sft_test_*: the start's keys before their rename
 
     def record(self, iteration: int, scores: dict[str, float]) -> None:
         """Keep the best test pass@1, and the iteration with the best validation pass@1 (the earliest on ties)."""
@@ -89,19 +101,30 @@ class RunState:
 
 
 class Bar:
-    """The run's progress bar: one line, a phase text, advanced once per iteration."""
+    """The run's progress bar: one line, a phase text, advanced once per iteration. Where the output is not a
+    terminal (a log file), each phase is a line of its own, so the log is never silent for a whole iteration."""
 
-    def __init__(self, cfg: TrainConfig, done: int, enabled: bool):
+    def __init__(self, cfg: TrainConfig, done: int, enabled: bool, clock: float = 0.0):
         self.bar = progress_bar(enabled=enabled)
         self.bar.start()
         self.job = self.bar.add_task(f"{cfg.algo} on {cfg.task}", total=cfg.iterations, completed=done, status="")
+        self.lines = enabled and not console.is_terminal
+        self.clock, self.total, self.current = clock, cfg.iterations, None  # current: the iteration under way
+
+    def begin(self, it: int) -> None:
+        """Iteration `it` (from 0) starts."""
+        self.current = it + 1
 
     def status(self, text: str) -> None:
-        """Show the phase the run is in."""
+        """Show the phase the run is in (a line of its own outside a terminal: the iteration, phase, seconds)."""
         self.bar.update(self.job, status=text)
+        if self.lines:
+            where = f"iter {self.current}/{self.total} " if self.current else ""
+            console.print(f"{where}{text} ({time.perf_counter() - self.clock:.0f}s)", highlight=False, markup=False)
 
     def advance(self, text: str) -> None:
         """Count one iteration done, with its result as the status."""
+        self.current = None
         self.bar.update(self.job, advance=1, status=text)
 
     def stop(self) -> None:
@@ -133,25 +156,28 @@ class Run:
     bar: Bar
     state: RunState
     watch: _SignalWatch
-    clock: float = 0.0  # perf_counter() at which wall_clock_s was 0
+    clock: float = 0.0  # perf_counter() at which wall_clock_s was 0 (the process start, less earlier runs' time)
 
     def sampling(self, *nets: torch.nn.Module):
         """Around the engine: it samples from whole weights (sharded models gathered), in the run's dtype."""
         return parallel.sampling(self.device, self.cfg.dtype, *nets)
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None) -> dict:
-    """The run, its folder locked: set up, evaluate the SFT model, iterate, summarise."""
-    run = setup(cfg, out, resume, device, task)
+def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None,
+           started: float = 0.0) -> dict:
+    """The run, its folder locked: set up, evaluate the starting model, iterate, summarise."""
+    run = setup(cfg, out, resume, device, task, started)
     try:
         if run.state.iteration == 0 and (run.test_set or run.val_set):
-            run.bar.status("evaluating the SFT model")
+            run.bar.status("evaluating the starting model")
+            t0 = time.perf_counter()
             scores = evaluate_policy(run, 0)
-            run.state.sft_test_pass1, run.state.sft_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
+            run.state.start_eval_s += time.perf_counter() - t0
+            run.state.start_test_pass1, run.state.start_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
             run.state.record(0, scores)
+            run.state.wall_clock_s = time.perf_counter() - run.clock
             with _disk_errors(out):
-                run.tracker.log(0, scores)
-            run.clock = time.perf_counter()  # the clock measures training, not the SFT model's evaluation
+                run.tracker.log(0, {**scores, "time/wall_clock_s": run.state.wall_clock_s})
         for it in range(run.state.iteration, cfg.iterations):
             if iteration(run, it):
                 break
@@ -162,8 +188,11 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task
     return finish(run)
 
 
-def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None) -> Run:
-    """Folder and data checks before any model loads, then the models, engines, tracker and (on resume) state."""
+def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None,
+          started: float | None = None) -> Run:
+    """Folder and data checks before any model loads, the run's plan, then the models, engines, tracker and (on
+    resume) state. `started`: the perf_counter() reading wall_clock_s counts from (default: now)."""
+    started = time.perf_counter() if started is None else started
     main = dist.is_main()
     if cfg.dtype == "auto":  # resolved once, so config.yaml (and a resume) records what the run computes in
         cfg = dataclasses.replace(cfg, dtype=parallel.pick_dtype(cfg.dtype, device))
@@ -176,8 +205,7 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
         runs.start_fresh(out)
     train_set, test_set, val_set = _load_data(cfg, task)
     if main:
-        console.print(f"{'resuming ' if resume else ''}{cfg.algo} on {cfg.task}, preset {cfg.preset or 'none'}, "
-                      f"run folder {out}", highlight=False, soft_wrap=True)
+        _announce(cfg, out, device, found, len(test_set) + len(val_set))
 
     # Models: the policy, its frozen SFT reference, and the critic when the estimator uses one.
     model_dir = _sft_model(cfg, train_missing=not resume) if main else None
@@ -207,7 +235,9 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
     dist.barrier()
     tracker = Tracker(out, cfg.tensorboard, cfg.wandb, dataclasses.asdict(cfg),
                       keep_until=state.iteration if resume else None, enabled=main)
-    bar = Bar(cfg, state.iteration, enabled=main)
+    clock = started - state.wall_clock_s
+    state.setup_s += time.perf_counter() - started
+    bar = Bar(cfg, state.iteration, enabled=main, clock=clock)
     ctx = Context(cfg=cfg, policy=models.policy, reference=models.reference, optimizer=models.trained.optimizer,
                   tokenizer=tokenizer, engine=engine, params=params, score=task.score, critic=models.critic,
                   critic_opt=models.trained.critic_opt, status=bar.status,
@@ -215,7 +245,18 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
     return Run(cfg=cfg, out=out, device=device, task=task, algorithm=algorithm, train_set=train_set, test_set=test_set,
                val_set=val_set, prompter=prompter, tokenizer=tokenizer, models=models, sampler=sampler, engine=engine,
                eval_engine=eval_engine, params=params, ctx=ctx, tracker=tracker, bar=bar, state=state,
-               watch=_SignalWatch(enabled=main), clock=time.perf_counter() - state.wall_clock_s)
+               watch=_SignalWatch(enabled=main), clock=clock)
+
+
+def _announce(cfg: TrainConfig, out: Path, device: torch.device, found: list[Path], evaluated: int) -> None:
+    """The run's first lines: what trains on what, its preset and folder, then its plan (and a warning for GPU-sized
+    settings on a CPU). `found`: a resume's checkpoints (none for a fresh run)."""
+    done = int(json.loads((found[0] / "state.json").read_text()).get("iteration", 0)) if found else 0
+    console.print(f"{'resuming ' if found else ''}{cfg.algo} on {cfg.task}, preset {cfg.preset or 'none'}, "
+                  f"run folder {out}", highlight=False, soft_wrap=True)
+    for line in plan(cfg, device.type, done, evaluated):
+        if line:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _token_budget(cfg: TrainConfig, sampler: torch.nn.Module, models: Models, main: bool) -> int:
@@ -241,6 +282,8 @@ def iteration(run: Run, it: int) -> bool:
 
     # 1. Sample: this rank's share of the iteration's prompts, several responses each.
     t0 = time.perf_counter()
+    run.bar.begin(it)
+    _progress(run, it)
     run.bar.status("sampling")
     picked = [rng.randrange(len(run.train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
     mine = [(g, run.train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
@@ -251,10 +294,13 @@ def iteration(run: Run, it: int) -> bool:
     # 2. Grade (in one batch) and cut into steps; a response without a reward (a custom reward's None) is left out
     # of the loss; with --oversample, keep the prompts whose responses differ in reward.
     drawn = [(g, ex, ids, s) for (g, ex), ids, samples in zip(mine, prompt_ids, outputs) for s in samples]
+    run.bar.status("grading")
     sampled = graded_episodes(run.task, run.tokenizer, drawn)
+    calls = log.take_calls() if (log := run.task.reward_log()) else []  # the responses' call of the reward functions
     rewarded = [ep for ep in sampled if ep.reward is not None]
     episodes = _informative(rewarded, cfg.prompts_per_iter) if cfg.oversample > 1 else rewarded
     metrics = _sample_metrics(run, it, mine, outputs, sampled, episodes)
+    metrics.update(_reward_stats(calls[-1:]))
     run.watch.update(metrics)
     t1 = time.perf_counter()
 
@@ -267,33 +313,102 @@ def iteration(run: Run, it: int) -> bool:
     run.engine.push_weights(run.sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
     t2 = time.perf_counter()
     metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
-
-    # 4. Evaluate, log, checkpoint.
-    done = it + 1
+    metrics.update(_logged_metrics(run, "metric/"))  # the reward functions' log_metric calls of this iteration
     state.train_s += t2 - t0
+    return _record(run, it, metrics, sampled, calls[-1] if calls else None)
+
+
+def _record(run: Run, it: int, metrics: dict[str, float], sampled: list[Episode], call: Call | None) -> bool:
+    """Step 4 of iteration `it`: evaluate, log, write a completions table, checkpoint; True if it is the last."""
+    cfg, state, done = run.cfg, run.state, it + 1
     # the mean over ranks, so every rank stops at the same iteration; no collective when there is no budget
     last = done == cfg.iterations or (cfg.time_budget_s > 0 and
                                       cfg.time_budget_s <= dist.all_sum([state.train_s])[0] / dist.world())
     if (run.test_set or run.val_set) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
         run.bar.status("evaluating")
+        t0 = time.perf_counter()
         scores = evaluate_policy(run, done)
+        state.eval_s += time.perf_counter() - t0
         metrics.update(scores)
         state.final_test_pass1, state.final_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
         state.record(done, scores)
     state.iteration, state.wall_clock_s = done, time.perf_counter() - run.clock
     metrics.update({"time/wall_clock_s": state.wall_clock_s, "time/train_s": state.train_s})
+    table = _table(run, sampled, call) if last or done == 1 or (cfg.completions_every and
+                                                                 done % cfg.completions_every == 0) else None
     with _disk_errors(run.out):
         run.tracker.log(done, metrics)
+        if table is not None:
+            run.tracker.table(done, table)
     if last or (cfg.save_every and done % cfg.save_every == 0):
         run.bar.status("saving")
+        t0 = time.perf_counter()
         runs.save_checkpoint(run.out, run.models.trained, run.tokenizer, state.to_json(), cfg.keep_checkpoints,
                              record=(run.prompter.format, cfg.dtype))
+        state.save_s += time.perf_counter() - t0
     status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
                                                         if "test/pass@1" in metrics else "")
     run.bar.advance(status)
     if dist.is_main() and not console.is_terminal:
         console.print(f"iter {done}/{cfg.iterations} {status} ({state.wall_clock_s:.0f}s)")
     return last
+
+
+def _progress(run: Run, it: int) -> None:
+    """Tell the reward functions (`trainer_state`) how far training is, `it` iterations done; the calls kept since
+    the last take (Monte Carlo, evaluations) are dropped, so the next one taken is the responses'."""
+    if (log := run.task.reward_log()) is not None:
+        log.state = TrainerState(global_step=it, max_steps=run.cfg.iterations,
+                                 epoch=it * run.cfg.prompts_per_iter / len(run.train_set))
+        log.take_calls()
+
+
+def _reward_stats(calls: list[Call]) -> dict[str, float]:
+    """rewards/NAME/mean and rewards/NAME/std over all ranks: each reward function's values (before weighting) on the
+    iteration's responses, those it gave None left out; none for a task without reward functions of its own."""
+    names = list(dict.fromkeys(n for part in dist.all_gather_objects(list(calls[0].values) if calls else [])
+                               for n in part))
+    out = {}
+    for name in names:
+        values = [v for call in calls for v in call.values.get(name, []) if v is not None]
+        n, total, squares = dist.all_sum([float(len(values)), sum(values), sum(v * v for v in values)])
+        if n:
+            mean = total / n
+            std = max(squares / n - mean * mean, 0.0) ** 0.5
+            out.update({f"rewards/{name}/mean": mean, f"rewards/{name}/std": std})
+    return out
+
+
+def _logged_metrics(run: Run, prefix: str) -> dict[str, float]:
+    """The mean over all ranks of each scalar the reward functions gave `log_metric` since the last take, as
+    PREFIX + NAME."""
+    log = run.task.reward_log()
+    if log is None:
+        return {}
+    sums: dict[str, list[float]] = {}
+    for part in dist.all_gather_objects(log.take_metrics()):
+        for name, (total, n) in part.items():
+            sums.setdefault(name, [0.0, 0])
+            sums[name][0] += total
+            sums[name][1] += n
+    return {prefix + name: total / n for name, (total, n) in sorted(sums.items())}
+
+
+def _table(run: Run, sampled: list[Episode], call: Call | None) -> list[dict]:
+    """The first TABLE_ROWS sampled responses over all ranks, as rows of the completions table: the prompt (text or
+    chat turns), the response, its reward, how it ended, each reward function's value and log_extra's columns."""
+    finished = [i for i, ep in enumerate(sampled) if not ep.truncated]  # what the reward functions were called on
+    whole = call and all(len(v) == len(finished) for v in [*call.values.values(), *call.extra.values()])
+    scored = {i: k for k, i in enumerate(finished)} if whole else {}
+    rows = []
+    for i, ep in enumerate(sampled[:TABLE_ROWS]):
+        row = {"example": ep.example.id, "prompt": run.task.chat_turns(ep.example) or ep.example.problem,
+               "completion": ep.text, "reward": ep.reward, "finish": "length" if ep.truncated else "stop"}
+        if i in scored:
+            row.update({name: values[scored[i]] for name, values in call.values.items()})
+            row.update({column: values[scored[i]] for column, values in call.extra.items()})
+        rows.append(row)
+    return [row for part in dist.all_gather_objects(rows) for row in part][:TABLE_ROWS]
 
 
 def _sample_metrics(run: Run, it: int, mine: list, outputs: list, sampled: list[Episode],
@@ -324,6 +439,7 @@ def _sample_metrics(run: Run, it: int, mine: list, outputs: list, sampled: list[
 def evaluate_policy(run: Run, iteration: int) -> dict[str, float]:
     """test/pass@1 and val/pass@1 (for the splits that are evaluated) of the policy now, and the test behaviours."""
     cfg, scores = run.cfg, {}
+    _progress(run, iteration)
     settings = EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed + iteration)
     for key, examples in (("test/pass@1", run.test_set), ("val/pass@1", run.val_set)):
         if not examples:
@@ -338,7 +454,7 @@ def evaluate_policy(run: Run, iteration: int) -> dict[str, float]:
             scores.update({f"test/behaviour/{name}": v["share"] for name, v in table.items()})
             scores.update({f"test/behaviour_pass@1/{name}": v["pass@1"] for name, v in table.items()
                            if v["pass@1"] is not None})
-    return scores
+    return scores | _logged_metrics(run, "test/metric/")  # what the reward functions logged while scoring them
 
 
 def finish(run: Run) -> dict:
@@ -349,19 +465,31 @@ def finish(run: Run) -> dict:
     if main:
         with _disk_errors(run.out):
             plot_run(run.out)
-    summary = {k: state[k] for k in ("sft_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
-    if state["sft_test_pass@1"] is not None and state["final_test_pass@1"] is not None:
-        summary["gain"] = state["final_test_pass@1"] - state["sft_test_pass@1"]
-    summary.update({k: state[k] for k in ("sft_test_behaviours", "final_test_behaviours") if state.get(k)})
-    summary.update({"iterations": state["iteration"], "wall_clock_s": state["wall_clock_s"], "train_s": state["train_s"],
+    summary = {k: state[k] for k in ("start_test_pass@1", "final_test_pass@1", "best_test_pass@1")}
+    if state["start_test_pass@1"] is not None and state["final_test_pass@1"] is not None:
+        summary["gain"] = state["final_test_pass@1"] - state["start_test_pass@1"]
+    summary.update({k: state[k] for k in ("start_test_behaviours", "final_test_behaviours") if state.get(k)})
+    summary.update({"iterations": state["iteration"], **{k: state[k] for k in TIMES},
                     "time_budget_reached": 0 < run.cfg.time_budget_s <= state["train_s"]})
     if run.val_set:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
         summary.update({k: state[k] for k in ("best_val_iteration", "best_val_pass@1", "test_at_best_val_pass@1")})
+    summary = rounded(summary)
+    summary.update({k.replace("start_", "sft_"): summary[k] for k in ALIASES if k in summary})
     if main:
         with _disk_errors(run.out):
             runs.write_atomic(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(run.out)
     return summary
+
+
+def rounded(value: Any) -> Any:
+    """A summary's numbers as a person reads them: seconds (keys ending in _s) to 0.1, other floats to 6 decimals
+    (0.02, not 0.019999999999999997), inside dicts and lists too."""
+    if isinstance(value, dict):
+        return {k: round(v, 1) if k.endswith("_s") and isinstance(v, float) else rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return round(value, 6) if isinstance(value, float) else value
 
 
 @dataclass

@@ -19,7 +19,7 @@ from vineppo.tasks import DATA_HELP
 from vineppo.tracking import console, progress_bar
 
 NAMES = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
-         "vineppo_adaptive": "VinePPO adaptive K", "grpo": "GRPO", "rloo": "RLOO", "ppo_critic": "PPO critic (GAE)",
+         "vineppo_adaptive": "VinePPO adaptive K", "grpo": "GRPO", "rloo": "RLOO", "ppo_critic": "PPO critic (GAE)", "tempo": "TEMPO (shared prefixes)",
          "truth": "truth (K = gt-k)"}
 
 

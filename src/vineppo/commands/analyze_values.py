@@ -21,7 +21,8 @@ from vineppo.tracking import console as err_console
 from vineppo.tracking import progress_bar
 
 LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
-          "ppo_critic": "PPO critic", "grpo": "GRPO (group mean)", "rloo": "RLOO (leave-one-out mean)"}
+          "ppo_critic": "PPO critic", "grpo": "GRPO (group mean)", "rloo": "RLOO (leave-one-out mean)",
+          "tempo": "TEMPO (shared prefixes)"}
 
 
 def print_table(result: dict, console) -> None:
@@ -41,6 +42,8 @@ def print_table(result: dict, console) -> None:
                   f"predicted tie counts as wrong.")
     if result["mae"]["ppo_critic"] is None:
         console.print("PPO critic: not evaluated (no --critic RUN_DIR given).")
+    console.print(f"TEMPO: {result['tempo_shared_states']:.0%} of the states are shared by two or more of their group's "
+                  f"responses; the others take the value of the deepest shared prefix before them.")
     table = Table(title="compute axis: VinePPO's Monte Carlo, fixed K and adaptive K (max 9), on the same states")
     for col in ("setting", "MAE", "step ranking", "continuations / state", "MC tokens / state"):
         table.add_column(col, justify="left" if col == "setting" else "right")
@@ -85,7 +88,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
-    fig, axes = plt.subplots(2, 3, figsize=(12, 8), sharex=True, sharey=True)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 8), sharex=True, sharey=True)
+    for ax in axes.flat[len(METHODS):]:
+        ax.set_visible(False)
     truth = [r["true"] for r in result["rows"]]
     for ax, m in zip(axes.flat, METHODS):
         ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")

@@ -152,11 +152,14 @@ def eval_points(run: dict) -> list[dict]:
     one iteration's reward is a noisy estimate from a single batch.
     """
     points, window = [], []
+    # the clock counts from the process start: the seconds before training began (set-up and the starting model's
+    # evaluation, logged at iteration 0) are left out, so the runs compare on their training alone
+    origin = next((m.get("time/wall_clock_s", 0.0) for m in run["metrics"] if m.get("iteration") == 0), 0.0)
     for m in run["metrics"]:
         if "train/reward" in m:
             window.append(m["train/reward"])
         if "test/pass@1" in m:
-            points.append({"iteration": m["iteration"], "wall_clock_s": m.get("time/wall_clock_s", 0.0),
+            points.append({"iteration": m["iteration"], "wall_clock_s": m.get("time/wall_clock_s", 0.0) - origin,
                            "test": m["test/pass@1"], "train": sum(window) / len(window) if window else None})
             window = []
     return points
@@ -253,8 +256,8 @@ def write_report(out: Path, summary: dict, unfinished: list[str]) -> None:
         lines.append("No PPO runs: nothing to compare against.")
     else:
         lines.append(f"Target: PPO's best test pass@1, averaged over its seeds: {100 * best:.1f}%. For each seed, the "
-                     f"logged wall-clock (`time/wall_clock_s`: training including its periodic evaluations, the SFT "
-                     f"evaluation excluded) of the first evaluation at or above it; the mean is over the seeds that "
+                     f"logged wall-clock (`time/wall_clock_s` from the end of the starting model's evaluation: "
+                     f"training including its periodic evaluations) of the first evaluation at or above it; the mean is over the seeds that "
                      f"reach it.")
         lines.append("")
         for algo, e in summary["algos"].items():

@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -30,7 +31,9 @@ CHUNK = 64  # references graded per call (one call of a custom task's reward fun
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `vineppo inspect-data`."""
     parser.add_argument("--task", default="arith", help="task name (default: arith)")
-    parser.add_argument("--split", default="test", help="split to load (default: test)")
+    parser.add_argument("--split", default="test", help="split to load (default: test; with a --data file: test is "
+                                                         "every record of it, train and validation the parts carved "
+                                                         "from it for training)")
     parser.add_argument("--data", default=None, metavar="PATH", help="local data file instead of the default source")
     parser.add_argument("--seed", type=int, default=0, help="seed for generated tasks (default: 0)")
     parser.add_argument("--examples", type=int, default=2, help="example step splits to show (default: 2)")
@@ -80,6 +83,26 @@ def inspect_examples(task: Task, examples: list[Example], progress: bool = False
     }
 
 
+def source_label(task: Task, split: str, data: str | None) -> str:
+    """What was read, in words: a file's records (all of them for test, else the part carved out), or task / split."""
+    if data and (Path(data).is_file() or data.startswith("hub:")):
+        return f"{task.name}: {data}, " + ("every record" if split == "test" else f"the {split} part carved from it")
+    return f"{task.name} / {split}" + (f" ({data})" if data else "")
+
+
+def ungraded(task: Task, examples: list[Example], reward: list | None) -> str | None:
+    """Why the references are not graded, naming the flag that fixes it (None: they are)."""
+    if not isinstance(task, CustomTask):
+        return None
+    if not reward:
+        return "no reward function: pass --reward FILE.py:FUNCTION"
+    if not any(task.target(ex) for ex in examples):
+        columns = ", ".join(task.data.rows[examples[0].id].columns) if examples else "none"
+        return (f"the records have no reference completion: name its column with --completion-column (columns: "
+                f"{columns})")
+    return None
+
+
 def shown_steps(task: Task, ex: Example, tokenizer) -> list[str]:
     """The steps of an example's reference as training cuts them (runs of N tokens with --steps tokens:N)."""
     if not (task.step_tokens and tokenizer):
@@ -112,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer else None
     console = Console(stderr=False)
     report = inspect_examples(task, examples, progress=not args.json and console.is_terminal, tokenizer=tokenizer)
-    report.update(split=args.split, **describe(task, examples, prompter))
+    report.update(split=args.split, source=source_label(task, args.split, args.data),
+                  not_graded=ungraded(task, examples, args.reward), **describe(task, examples, prompter))
     if args.json:
         print(json.dumps(report))
         return 0
@@ -123,14 +147,14 @@ def run(args: argparse.Namespace) -> int:
 def show(report: dict, task: Task, examples: list[Example], args: argparse.Namespace, tokenizer,
          console: Console) -> None:
     """The report as a table, the prompts, then the step splits of the first examples."""
-    table = Table(title=f"{task.name} / {args.split}" + (f" ({args.data})" if args.data else ""), show_header=False)
+    table = Table(title=report["source"], show_header=False)
     table.add_row("records", str(report["records"]))
     if "columns" in report:
         table.add_row("columns the reward receives", ", ".join(report["columns"]) or "none")
     table.add_row("prompt format", str(report["prompt_format"]) + ("" if args.model else " (pass --model to see "
                                                                                         "the model's prompts)"))
     graded = report["reference_correct"]
-    table.add_row("references graded correct", "not graded (no reward or no references)" if graded is None else
+    table.add_row("references graded correct", f"not graded: {report['not_graded']}" if graded is None else
                   f"{graded:.4f}" + (f" (mean reward {report['reference_reward']:.4f})"
                                      if report["reference_reward"] is not None else ""))
     s = report["steps"]
@@ -144,7 +168,12 @@ def show(report: dict, task: Task, examples: list[Example], args: argparse.Names
         console.rule(f"{ex.id}: the prompt")
         console.print(escape(prompt if isinstance(prompt, str) else json.dumps(prompt)), highlight=False,
                       soft_wrap=True)
+    if examples[: args.examples]:
+        console.print(f"The reference solutions of the first {min(args.examples, len(examples))} records cut into "
+                      f"steps as VinePPO cuts a response (a Monte Carlo value is estimated at the start of each): the "
+                      f"step's number, then its text as a Python string (\\n: a newline).", highlight=False,
+                      soft_wrap=True)
     for ex in examples[: args.examples]:
-        console.rule(ex.id + (f"  answer: {ex.answer}" if ex.answer else ""))
+        console.rule(f"{ex.id}: the reference's steps" + (f"  answer: {ex.answer}" if ex.answer else ""))
         for i, step in enumerate(shown_steps(task, ex, tokenizer)):
             console.print(f"[bold cyan]{i:>2}[/bold cyan] {escape(repr(step))}", highlight=False, soft_wrap=True)

@@ -11,25 +11,29 @@ from vineppo import distributed as dist
 from vineppo.config import TrainConfig
 from vineppo.errors import UserError
 from vineppo.tasks import TASKS
+from vineppo.tracking import process_start
 from vineppo.trainer import train
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `vineppo train`: --config, --resume, --json, and one flag per TrainConfig field."""
-    presets = "; ".join(f"{t.preset or 'none'} for {t.name}" for t in TASKS.values() if t.preset is not None)
+    presets = "; ".join(f"{t.preset or 'none'} for {t.name}" + (f" ({t.cpu_preset} on a CPU)" if t.cpu_preset else "")
+                        for t in TASKS.values() if t.preset is not None)
     p.add_argument("--config", default=None, help=f"preset name or YAML file (default: the task's preset: {presets})")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     configs.add_config_arguments(p)
 
 
-def task_preset(task: str) -> str | None:
-    """The preset a run of `task` uses without --config (Task.preset; None: TrainConfig's defaults alone)."""
+def task_preset(task: str, device: str = "auto") -> str | None:
+    """The preset a run of `task` on `device` (a --device value) uses without --config (Task.preset_on: custom's
+    CPU preset on a CPU; None: TrainConfig's defaults alone)."""
     if task not in TASKS:
         raise UserError(f"unknown task {task!r}; known tasks: {', '.join(sorted(TASKS))}")
-    if TASKS[task].preset is None:
+    preset = TASKS[task].preset_on(dist.pick_device(device).type)
+    if preset is None:
         raise UserError(f"task {task!r} has no preset of its own; pass --config PRESET|FILE.yaml")
-    return TASKS[task].preset or None
+    return preset or None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--resume takes only --iterations besides the run folder (got {', '.join(extra)})")
         cfg = configs.load(saved, overrides)
     else:
-        preset = args.config or task_preset(overrides.get("task", TrainConfig.task))
+        preset = args.config or task_preset(overrides.get("task", TrainConfig.task), overrides.get("device", "auto"))
         cfg = configs.resolve(configs.load_preset(preset) if preset else {}, overrides, source=preset or "defaults")
         cfg.preset = preset
     try:
-        summary = train(cfg, Path(args.resume) if args.resume else None)
+        summary = train(cfg, Path(args.resume) if args.resume else None, started=process_start())
         main = dist.is_main()
         dist.barrier()  # leave together (not after an error: a peer may be gone): see distributed.shutdown
     finally:

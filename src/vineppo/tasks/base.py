@@ -59,11 +59,21 @@ class Task:
     step_tokens: int = 0  # > 0: a response's steps are runs of this many tokens, not `split_steps` (custom tokens:N)
     preset: str | None = None  # the preset `vineppo train --task NAME` uses without --config ("": TrainConfig's
     # defaults; None: none, --config is required)
+    cpu_preset: str | None = None  # the preset used instead of `preset` on a CPU (None: `preset` everywhere)
 
     def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
         """The reward of each finished completion texts[i] (token ids token_ids[i]) of examples[i], None where there
         is none; the trainer, eval and the analyses call this, once per batch. Default: `grade` per completion."""
         return [self.grade(text, ex.answer) for ex, text in zip(examples, texts)]
+
+    def preset_on(self, device: str) -> str | None:
+        """The preset a run without --config uses on `device` (cpu, cuda, ...): `cpu_preset` on a CPU if it has one,
+        else `preset`."""
+        return self.cpu_preset if device == "cpu" and self.cpu_preset is not None else self.preset
+
+    def reward_log(self) -> Any:
+        """What a task's reward functions log besides the reward (custom: vineppo.rewards.RewardLog), else None."""
+        return None
 
     def configured(self, settings: Any) -> Task:
         """The task for a command's settings (its flags, or a TrainConfig): itself; `custom` reads its own."""

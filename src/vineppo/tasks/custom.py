@@ -5,8 +5,9 @@ data set `hub:NAME[:CONFIG]`, read by `datasets` (its `train` split for training
 asked for otherwise: `--eval-split`, `--split`); or, from Python, a list of dicts or a `datasets.Dataset`. As
 for gsm8k, `test` is a whole source and `train`/`validation` are carved from it with a fixed seed.
 
-**Prompt**: the column `--prompt-column` (default `prompt`) holds text, used as it is (prompt format `plain`),
-or chat turns (a list of `{role, content}`), rendered with the tokenizer's chat template (`chat`); without
+**Prompt**: the column `--prompt-column` (default `prompt`) holds text, or chat turns (a list of `{role,
+content}`), rendered with the tokenizer's chat template (`chat`); `auto` renders text as one user turn of the
+chat template too where the tokenizer has one and the model records no format of its own; without
 that column, a `messages` column is the prompt and its last assistant turn, if any, the reference completion.
 `--completion-column` names the reference completion, what `vineppo sft` trains on. Every other column
 reaches the reward functions as a keyword argument (vineppo.rewards).
@@ -14,8 +15,9 @@ reaches the reward functions as a keyword argument (vineppo.rewards).
 **Reward**: `--reward FILE.py:FUNCTION` or `package.module:FUNCTION`, repeatable, weighted by
 `--reward-weights`; a response is solved (pass@1, pass@k) when its reward is at least `--success-threshold`.
 **Steps**: `--steps` (vineppo.steps; lines by default). An example's id is where it comes from (`file:line`,
-`file[index]`, `hub NAME split record i`, `data[i]`): the key of its row, which `score` hands to the reward
-functions; an example has no reference answer of its own (`answer` is "").
+`file[index]`, `hub NAME split record i`, `data[i]`; a CSV row's line is the line it starts on, the header
+being line 1): the key of its row, which `score` hands to the reward functions; an example has no reference
+answer of its own (`answer` is "").
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vineppo.errors import UserError
-from vineppo.rewards import ARGUMENTS, Batch, Rewards, check_signature, load_function
+from vineppo.rewards import ARGUMENTS, CONTEXT, Batch, RewardLog, Rewards, check_signature, load_function
 from vineppo.steps import STEPS_HELP, make_splitter, token_steps
 from vineppo.tasks.base import Example, Task, register
 from vineppo.tasks.data import carve, load_hub, read_jsonl
@@ -97,9 +99,14 @@ class CustomTask(Task):
         return prompt if isinstance(prompt, list) else None
 
     def auto_format(self, recorded: str | None) -> str | None:
-        """chat for data whose prompts are chat turns; for text prompts the model's recorded format, else plain
-        (the text as it is, as TRL uses a prompt of its standard format)."""
-        return "chat" if self.data.format == "chat" else recorded or "plain"
+        """chat for data whose prompts are chat turns; for text prompts the model's recorded format, else None: chat
+        when the tokenizer has a chat template (the text as one user turn), else plain (the text as it is)."""
+        return "chat" if self.data.format == "chat" else recorded
+
+    def reward_log(self) -> RewardLog | None:
+        """What the reward functions log (vineppo.rewards.RewardLog): their values per call, log_metric, log_extra."""
+        self.data.functions()
+        return self.data.rewards.log
 
     def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
         """The rewards of completions `texts` of `examples`: one call of each reward function (vineppo.rewards)."""
@@ -191,7 +198,7 @@ class Data:
         if self.settings.completion_column is not None:
             reference = completion_text(record, self.settings.completion_column, where)
         columns = {k: v for k, v in record.items() if k != source}
-        reserved = [k for k in columns if k in ARGUMENTS]
+        reserved = [k for k in columns if k in ARGUMENTS + CONTEXT]
         if reserved:
             raise UserError(f"{where}: column {reserved[0]!r} has the name of an argument every reward call passes; "
                             f"rename it")
@@ -294,19 +301,22 @@ def read_file(path: str) -> tuple[list[Any], list[str]]:
 
 
 def read_csv(file: Path, path: str) -> tuple[list[dict], list[str]]:
-    """The rows of a CSV file with a header line, as text; a row with more or fewer fields names its line."""
+    """The rows of a CSV file with a header line, as text, each named by the line it starts on (the header is line 1,
+    so the first row is FILE:2); a row with more or fewer fields names its line."""
     records, where = [], []
     try:
         with open(file, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader, [])
+            start = reader.line_num + 1  # a quoted field may span lines: a row is where it starts
             for row in reader:
+                line, start = start, reader.line_num + 1
                 if not row:  # a blank line
                     continue
                 if len(row) != len(header):
-                    raise UserError(f"{path}:{reader.line_num}: {len(row)} fields where the header has {len(header)}")
+                    raise UserError(f"{path}:{line}: {len(row)} fields where the header has {len(header)}")
                 records.append(dict(zip(header, row)))
-                where.append(f"{path}:{reader.line_num}")
+                where.append(f"{path}:{line}")
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise UserError(f"{path}: cannot read it as CSV: {e}") from None
     return records, where
@@ -315,7 +325,8 @@ def read_csv(file: Path, path: str) -> tuple[list[dict], list[str]]:
 def make_task(settings: Settings, objects: dict[str, Any] | None = None) -> CustomTask:
     """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables)."""
     data = Data(settings, objects or {})
-    return CustomTask(name="custom", preset="", load=data.load, grade=None, split_steps=make_splitter(settings.steps),
+    return CustomTask(name="custom", preset="", cpu_preset="custom-cpu", load=data.load, grade=None,
+                      split_steps=make_splitter(settings.steps),
                       prompt_template="{problem}", instruction="", stop=(), lenient=None,
                       step_tokens=token_steps(settings.steps), settings=settings, data=data)
 

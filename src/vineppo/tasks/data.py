@@ -34,7 +34,9 @@ def read_jsonl(path: str | Path, required: tuple[str, ...], optional: tuple[str,
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
+            # json's messages may end in "at" ("Unterminated string starting at"): the column follows once
+            what = e.msg.removesuffix(" at")
+            raise UserError(f"{path}:{lineno}: malformed JSON: {what} at column {e.colno}") from None
         if not isinstance(record, dict):
             raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
         check_fields(record, required, optional, f"{path}:{lineno}")

@@ -1,0 +1,148 @@
+"""What every credit estimator shares: the episodes it reads, the credit it returns, the context it may use, the
+registry, and the arithmetic of per-step advantages.
+
+    @register("name", Needs(rollouts=True))
+    def estimator(episodes: list[Episode], ctx: CreditContext) -> Credit
+
+An estimator returns one advantage per response token for every episode (and, when it trains a critic, the value
+targets; when it trains on further samples, those episodes). It declares what it needs besides the episodes
+(`Needs`: a critic, the rollout engine); the trainer reads the declaration and never branches on a name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vineppo.config import TrainConfig
+from vineppo.engine import SamplingParams
+from vineppo.errors import UserError
+from vineppo.grading import Scorer
+from vineppo.tasks import Example
+
+_DEFAULTS = TrainConfig()  # CreditContext's defaults: a run's own settings
+
+
+@dataclass
+class Episode:
+    """One sampled response and everything credit assignment needs to know about it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    text: str  # decoded response
+    reward: float  # the task's reward (built-in tasks: 1.0 correct, 0.0 wrong or truncated)
+    group: int  # index of its prompt in the batch: responses to one prompt form a group
+    example: Example  # the problem it answers: Monte Carlo continuations are scored against it (Task.score)
+    steps: list[tuple[int, int]]  # token ranges [start, end) of the reasoning steps in response_ids
+    truncated: bool = False
+    logprobs: list[float] | None = None  # the engine's log-probs of response_ids when sampled (see Sample.logprobs)
+
+
+@dataclass
+class Credit:
+    """What an estimator gives back: per-token advantages, optional critic targets, and statistics."""
+
+    advantages: list[torch.Tensor]  # one per episode, then one per `extra` episode
+    returns: list[torch.Tensor] | None = None  # value targets per token (critic-based estimators only)
+    values: list[torch.Tensor] | None = None  # the critic's values when the episodes were scored
+    stats: dict[str, float] = field(default_factory=dict)
+    extra: list[Episode] = field(default_factory=list)  # further samples the update trains on (tree rollouts)
+
+
+@dataclass
+class CreditContext:
+    """The tools an estimator may use (the rollout engine for Monte Carlo, the task grader, the critic) and its
+    settings, whose defaults are TrainConfig's (`config.section` reads a run's values by name)."""
+
+    rollouts: Any = None  # the rollout engine (an object; TrainConfig.engine is the backend's name)
+    tokenizer: Any = None
+    score: Scorer | None = None  # the task's rewards of a batch of completions (Task.score)
+    critic: Any = None  # vineppo.ppo.Critic for `gae`
+    params: SamplingParams | None = None  # sampling settings for Monte Carlo continuations
+    generator: torch.Generator | None = None
+    mc_k: int = _DEFAULTS.mc_k  # continuations per state
+    mc_max_states: int = _DEFAULTS.mc_max_states  # states estimated per response; later ones take V = the reward
+    mc_k_min: int = _DEFAULTS.mc_k_min  # adaptive K: first round per state (0, or >= mc_k: a fixed mc_k per state)
+    mc_rule: str = _DEFAULTS.mc_rule  # adaptive K: when a state is settled (`settled`)
+    mc_states: str = _DEFAULTS.mc_states  # which step starts are states (`state_offsets`)
+    mc_train_fraction: float = _DEFAULTS.mc_train_fraction  # share of each state's continuations that train too
+    gamma: float = _DEFAULTS.gamma
+    gae_lambda: float = _DEFAULTS.gae_lambda  # GAE lambda for critic-based estimators
+    scale_rewards: str = _DEFAULTS.scale_rewards  # GRPO: what divides the group-centred reward (REWARD_SCALES)
+    progress: Callable[[int], None] | None = None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an estimator uses besides the episodes; the trainer builds it only for estimators that declare it."""
+
+    critic: bool = False  # a learned value network (CreditContext.critic), trained beside the policy
+    rollouts: bool = False  # the rollout engine (CreditContext.rollouts), for Monte Carlo continuations
+
+
+Estimator = Callable[[list[Episode], CreditContext], Credit]
+ESTIMATORS: dict[str, Estimator] = {}
+NEEDS: dict[str, Needs] = {"none": Needs()}  # "none": the algorithm assigns no per-token credit (RestEM, DPO+)
+
+
+def register(name: str, needs: Needs = Needs()) -> Callable[[Estimator], Estimator]:
+    """Decorator: add an estimator to the registry under `name`, with what it needs."""
+
+    def add(fn: Estimator) -> Estimator:
+        ESTIMATORS[name], NEEDS[name] = fn, needs
+        return fn
+
+    return add
+
+
+def needs(name: str) -> Needs:
+    """What the estimator registered as `name` (or "none") needs."""
+    if name not in NEEDS:
+        raise UserError(f"unknown credit estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    return NEEDS[name]
+
+
+def get_estimator(name: str) -> Estimator:
+    """The estimator registered as `name`."""
+    if name not in ESTIMATORS:
+        raise UserError(f"unknown credit estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    return ESTIMATORS[name]
+
+
+def per_response(episodes: list[Episode], scores: list[float]) -> list[torch.Tensor]:
+    """Every token of a response gets its response's score."""
+    return [torch.full((len(ep.response_ids),), float(s)) for ep, s in zip(episodes, scores)]
+
+
+def groups(episodes: list[Episode]) -> dict[int, list[int]]:
+    """Episode indices by prompt (responses to one prompt form a group)."""
+    out: dict[int, list[int]] = {}
+    for i, ep in enumerate(episodes):
+        out.setdefault(ep.group, []).append(i)
+    return out
+
+
+
+
+def step_advantages(values: list[float], reward: float, gamma: float = 1.0) -> list[float]:
+    """A_t = r_t + gamma V(s_{t+1}) - V(s_t) per step, with V(s_T) = 0 and the reward on the last step."""
+    nxt = values[1:] + [0.0]
+    rewards = [0.0] * (len(values) - 1) + [reward]
+    return [r + gamma * v1 - v0 for r, v0, v1 in zip(rewards, values, nxt)]
+
+
+def known(rewards: list[float | None]) -> list[float]:
+    """The rewards that are numbers (a custom reward function may give None: no reward)."""
+    return [r for r in rewards if r is not None]
+
+
+def segment_advantages(n_tokens: int, offsets: list[int], values: list[float], reward: float,
+                       gamma: float = 1.0) -> torch.Tensor:
+    """Per-token advantages: the tokens from one estimated state to the next share that segment's advantage."""
+    adv = torch.zeros(n_tokens)
+    ends = offsets[1:] + [n_tokens]
+    for s, e, a in zip(offsets, ends, step_advantages(values, reward, gamma)):
+        adv[s:e] = a
+    return adv
