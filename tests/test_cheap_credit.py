@@ -121,6 +121,10 @@ def test_equal_prompts_in_two_groups_share_their_prefixes_and_other_prompts_do_n
     c = dataclasses.replace(_resp([10, 11], 1.0, group=2), prompt_ids=[3, 4])
     credit = get_estimator("tempo")([a, b, c], CreditContext())
     assert credit.advantages[0].tolist() == pytest.approx([0.5, 0.5]) and credit.advantages[2].tolist() == [0, 0]
+    # the same prompt text for another example (an environment's hidden secret, say) is another state
+    d = dataclasses.replace(_resp([10, 11], 0.0, group=1), example=Example("other", "", "", "7"))
+    credit = get_estimator("tempo")([a, d], CreditContext())
+    assert credit.advantages[0].tolist() == [0, 0] and credit.advantages[1].tolist() == [0, 0]
 
 
 # ------------------------------------------------------------------------------------ nothing else changes

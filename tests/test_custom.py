@@ -733,5 +733,6 @@ def test_inspect_data_names_the_file_it_read_and_why_it_does_not_grade(arith_fil
 
 
 def test_help_on_the_python_api_shows_its_real_signature():
-    assert list(inspect.signature(vineppo.train).parameters) == ["config", "data", "eval_data", "reward", "resume"]
-    assert list(inspect.signature(vineppo.evaluate).parameters) == ["config", "eval_data", "reward"]
+    assert list(inspect.signature(vineppo.train).parameters) == ["config", "data", "eval_data", "reward", "resume",
+                                                                 "tools"]
+    assert list(inspect.signature(vineppo.evaluate).parameters) == ["config", "eval_data", "reward", "tools"]

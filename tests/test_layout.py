@@ -51,7 +51,7 @@ def test_every_function_level_import_says_why():
 LAYERS = [
     ["errors", "hub"],
     ["config", "distributed", "steps", "tracking", "rewards", "grading"],
-    ["tasks.base", "tasks.data", "tasks.arith", "tasks.gsm8k", "tasks.math", "tasks.custom", "tasks"],
+    ["tasks.agent", "tasks.base", "tasks.data", "tasks.arith", "tasks.gsm8k", "tasks.math", "tasks.custom", "tasks"],
     ["prompts", "models"],
     ["parallel", "lora", "engine.api", "engine.graphs", "engine.prefixes"],
     ["engine.plan", "engine.sampling", "engine.attention"],
@@ -60,7 +60,7 @@ LAYERS = [
     ["engine.job"],
     ["engine.native", "engine.vllm_backend"],
     ["engine"],
-    ["minibatch", "ppo", "runs", "loading", "credit.base", "credit.group", "credit.critic", "credit.vine", "credit.tempo",
+    ["minibatch", "ppo", "runs", "loading", "agents.dialogue", "agents.engine", "agents", "credit.base", "credit.group", "credit.critic", "credit.vine", "credit.tempo",
      "credit"],
     ["guard"],
     ["algorithms", "sft", "analysis", "evaluation"],

@@ -173,6 +173,7 @@ def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
     """A few-shot response ends with the stop string '\\n\\nProblem:' it was cut at; split by lines, that text
     would be a step of its own and VinePPO would estimate a state inside the stop string, whose continuations
     write a whole new problem and answer (the bug that made VinePPO on SmolLM2 one-shot prompts ramble)."""
+    from vineppo.engine import Sample
     from vineppo.trainer import _episode
     from vineppo.tasks import Example, get_task
 
@@ -189,7 +190,6 @@ def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
         def decode(self, ids, skip_special_tokens=True):
             return "".join(chr(i) for i in ids)
 
-    sample = type("S", (), {"text": two, "token_ids": [ord(c) for c in two], "finish_reason": "stop",
-                            "logprobs": [0.0] * len(two)})()
+    sample = Sample([ord(c) for c in two], two, [0.0] * len(two), "stop")
     episode = _episode(task, Chars(), [1], sample, 0, Example("x", "p", "s", "13"), 1.0)
     assert [b - a for a, b in episode.steps] == [len(s) for s in task.response_steps(two)]

@@ -116,10 +116,11 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
                     advantages=advantages, pad_id=ctx.tokenizer.pad_token_id, returns=credit.returns,
                     old_values=credit.values, old_logprobs=old,
                     ids=_global_ids(episodes, cfg.samples_per_prompt, len(credit.extra)),
-                    truncated=[ep.truncated for ep in trained])
+                    truncated=[ep.truncated for ep in trained],
+                    masks=[ep.mask for ep in trained] if any(ep.mask is not None for ep in trained) else None)
     metrics.update(loss_advantages(data, update_cfg))
-    metrics["train/trained_episodes"], metrics["train/trained_tokens"] = dist.all_sum(
-        [float(len(trained)), float(sum(len(ep.response_ids) for ep in trained))])
+    metrics["train/trained_episodes"], metrics["train/trained_tokens"] = dist.all_sum(  # the policy's tokens
+        [float(len(trained)), float(sum(len(ep.response_ids) if ep.mask is None else sum(ep.mask) for ep in trained))])
     nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
                    critic_optimizer=ctx.critic_opt)
     metrics.update({f"guard/{name}": gap for name, gap in guard.check(nets, data, update_cfg).items()})
@@ -147,9 +148,11 @@ def loss_advantages(data: Rollouts, cfg: UpdateConfig) -> dict[str, float]:
     their weighted mean and mean magnitude (sum of token weight x advantage over the sum of episode weights, the
     batch taken as one minibatch), and the share of episodes left out of the loss."""
     weights, token_w = loss_weights(data, cfg.loss_agg, cfg.max_new_tokens, cfg.mask_truncated)
+    adv = [a if data.mask(i) is None else a * torch.tensor(data.mask(i), dtype=a.dtype)  # the policy's tokens
+           for i, a in enumerate(data.advantages)]
     total, signed, size, out, n = dist.all_sum([
-        sum(weights), sum(w * float(a.sum()) for a, w in zip(data.advantages, token_w)),
-        sum(w * float(a.abs().sum()) for a, w in zip(data.advantages, token_w)),
+        sum(weights), sum(w * float(a.sum()) for a, w in zip(adv, token_w)),
+        sum(w * float(a.abs().sum()) for a, w in zip(adv, token_w)),
         float(sum(w == 0 for w in weights)), float(len(weights))])
     return {"advantage/loss_mean": signed / max(total, 1e-12), "advantage/loss_abs": size / max(total, 1e-12),
             "advantage/left_out": out / max(n, 1.0)}

@@ -383,7 +383,9 @@ def load_inputs(args: argparse.Namespace, out: Path, model_dir_of: Callable[[Pat
     """The data, the critic of --critic, and the policy named by model_dir_of(the critic's checkpoint), loaded
     inside `out`'s folder guard (removed again if any of them fails to load)."""
     with output_folder(out, f"--out {out}"):
-        task = get_task(args.task)
+        task = get_task(args.task, args)
+        if task.agent is not None:
+            raise UserError("the analyses sample single responses; a task with tools or an environment is not supported")
         examples = task.load(args.split, args.data, args.data_seed)
         if not examples:
             raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from vineppo import config as configs
 from vineppo import distributed as dist
-from vineppo import evaluation, trainer
+from vineppo import agents, evaluation, trainer
 from vineppo.config import TrainConfig
 from vineppo.errors import UserError
 from vineppo.loading import LoadSpec, load
@@ -34,31 +34,34 @@ Rows = Any  # a list of dicts, a datasets.Dataset, or a file name / hub:NAME as 
 Reward = Callable[..., list]
 
 
-def train(config: TrainConfig, data: Rows = None, eval_data: Rows = None,
-          reward: Reward | list[Reward] | None = None, resume: str | Path | None = None) -> dict:
-    """Train as `config` says, on `data` with `reward` when given; returns the run summary (resume: a run folder)."""
+def train(config: TrainConfig, data: Rows = None, eval_data: Rows = None, reward: Reward | list[Reward] | None = None,
+          resume: str | Path | None = None, tools: list | None = None) -> dict:
+    """Train as `config` says, on `data` with `reward` and `tools` when given; returns the run summary (resume: a
+    run folder; tools: functions the model may call, and an environment class among them answers its turns)."""
     started = time.perf_counter()  # the run's wall_clock_s counts from this call
-    cfg, task = _with_task(config, data, eval_data, reward)
+    cfg, task = _with_task(config, data, eval_data, reward, tools)
     try:
         return trainer.train(cfg, Path(resume) if resume else None, task=task, started=started)
     finally:
         dist.shutdown()
 
 
-def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[Reward] | None = None) -> dict:
-    """pass@1, pass@k, greedy accuracy and mean reward of `config.model` on the evaluation data, per-problem rows
-    under 'results' (vineppo.evaluation.evaluate)."""
-    cfg, task = _with_task(config, None, eval_data, reward)
+def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[Reward] | None = None,
+             tools: list | None = None) -> dict:
+    """pass@1, pass@k, greedy accuracy and mean reward of `config.model` on the evaluation data (dialogues with
+    `tools`, as `train` takes them), per-problem rows under 'results' (vineppo.evaluation.evaluate)."""
+    cfg, task = _with_task(config, None, eval_data, reward, tools)
     examples = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems or None]
     got = load(LoadSpec(cfg.model, task, cfg.prompt_format, cfg.data, cfg.data_seed, cfg.device,
                         None if cfg.dtype == "auto" else cfg.dtype, cfg.engine, cfg.token_budget or 65536))
     settings = evaluation.EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed)
-    return evaluation.evaluate(got.engine, task, examples, settings, got.prompter)
+    engine = agents.for_task(got.engine, task, got.prompter, cfg.reward_timeout_s, resume=False)
+    return evaluation.evaluate(engine, task, examples, settings, got.prompter)
 
 
-def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward | list[Reward] | None
-               ) -> tuple[TrainConfig, Task]:
-    """The validated config with the given data and reward named in it, and the task that holds them."""
+def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward | list[Reward] | None,
+               tools: list | None = None) -> tuple[TrainConfig, Task]:
+    """The validated config with the given data, reward and tools named in it, and the task that holds them."""
     objects: dict[str, Any] = {}
     given: dict[str, Any] = {}
     for name, value in (("data", data), ("eval_data", eval_data)):
@@ -69,8 +72,14 @@ def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward 
     if reward is not None:
         objects["reward"] = list(reward) if isinstance(reward, (list, tuple)) else [reward]
         given["reward"] = [PYTHON + getattr(f, "__name__", "reward") for f in objects["reward"]]
+    for obj in tools or []:  # a class is the environment, a function a tool
+        if isinstance(obj, type):
+            objects["env"], given["env"] = obj, PYTHON + obj.__name__
+        else:
+            objects.setdefault("tools", []).append(obj)
+            given.setdefault("tools", []).append(PYTHON + getattr(obj, "__name__", "tool"))
     if objects and config.task != "custom":
-        raise UserError(f"data, eval_data and reward objects are for task 'custom', not {config.task!r}")
+        raise UserError(f"data, eval_data, reward and tools objects are for task 'custom', not {config.task!r}")
     # the fields left at their defaults take the algorithm's (as flags do on the command line: vineppo.config.resolve)
     defaults = TrainConfig()
     changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)

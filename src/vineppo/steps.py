@@ -41,7 +41,7 @@ def split_newlines(text: str) -> list[str]:
 
 # ------------------------------------------------------------------- `--steps`: splitters for any text
 
-STEPS_HELP = "lines, paragraphs, sentences, tokens:N or regex:PATTERN (a step ends after each match)"
+STEPS_HELP = "lines, paragraphs, sentences, tokens:N, regex:PATTERN (a step ends after each match) or turns (a dialogue's turns)"
 _LINE_END = re.compile(r"\n")
 _PARAGRAPH = re.compile(r"\n[ \t\r]*\n(?:[ \t\r]*\n)*")  # a blank-line run ends a paragraph
 _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n+")  # sentence punctuation and its spaces, or a line break
@@ -69,7 +69,7 @@ def make_splitter(spec: str) -> Callable[[str], list[str]]:
     if spec in ("lines", "paragraphs", "sentences"):
         pattern = {"lines": _LINE_END, "paragraphs": _PARAGRAPH, "sentences": _SENTENCE_END}[spec]
         return lambda text: split_at(text, pattern)
-    if kind == "tokens" and arg.isdigit() and int(arg) >= 1:
+    if (kind == "tokens" and arg.isdigit() and int(arg) >= 1) or spec == "turns":  # cut by the trainer, not the text
         return lambda text: [text]
     if kind == "regex" and arg:
         try:

@@ -122,10 +122,13 @@ def plan(cfg: TrainConfig, device: str, done: int, evaluated: int) -> tuple[str,
     plural = lambda n, word: f"{n} {word}" + "s" * (n != 1)  # noqa: E731
     evaluation = (f"{plural(evals, 'evaluation')} of {evaluated} problems x {cfg.eval_samples} samples" if evals
                   else "no evaluation")
+    turns = cfg.max_turns if cfg.tools or cfg.env else 1  # a dialogue: turns of at most max_new_tokens each
+    length = f"dialogues of at most {turns} turns x {cfg.max_new_tokens} tokens" if turns > 1 or cfg.tools or cfg.env \
+        else f"at most {cfg.max_new_tokens} tokens"
     line = (f"plan: {plural(left, 'iteration')} x {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} responses "
-            f"x at most {cfg.max_new_tokens} tokens; {mc}; {evaluation}")
+            f"x {length}; {mc}; {evaluation}")
     responses = left * cfg.prompts_per_iter * cfg.samples_per_prompt
-    tokens = (responses + evals * evaluated * cfg.eval_samples) * cfg.max_new_tokens
+    tokens = (responses + evals * evaluated * cfg.eval_samples) * cfg.max_new_tokens * turns
     if device != "cpu" or tokens <= GPU_SIZED_TOKENS:
         return line, None
     instead = {"custom": "--config custom-cpu", "arith": "--config arith-tiny"}.get(

@@ -21,7 +21,7 @@ import torch
 
 from vineppo import config as configs
 from vineppo import distributed as dist
-from vineppo import lora, parallel, runs
+from vineppo import agents, lora, parallel, runs
 from vineppo.algorithms import Context, get_algorithm, needs_reference
 from vineppo.config import TrainConfig, check_engine
 from vineppo.credit import Episode, groups, needs
@@ -220,10 +220,10 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
     policy = models.trained.policy
     sampler = {"policy": policy, "sft": models.reference}[cfg.sample_from]
     budget = _token_budget(cfg, sampler, models, main)
-    engine = make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir, token_budget=budget,
-                         cuda_graphs=cfg.cuda_graphs)
-    eval_engine = engine if sampler is policy else make_engine("native", policy, tokenizer, token_budget=budget,
-                                                               cuda_graphs=cfg.cuda_graphs)
+    engine = dialogues(cfg, task, prompter, make_engine(cfg.engine, sampler, tokenizer, model_dir=model_dir,
+                                                          token_budget=budget, cuda_graphs=cfg.cuda_graphs))
+    eval_engine = engine if sampler is policy else dialogues(cfg, task, prompter, make_engine(
+        "native", policy, tokenizer, token_budget=budget, cuda_graphs=cfg.cuda_graphs))
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
 
     state = RunState.from_json(runs.load_checkpoint(found, models.trained, device)) if resume else RunState()
@@ -288,8 +288,10 @@ def iteration(run: Run, it: int) -> bool:
     picked = [rng.randrange(len(run.train_set)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
     mine = [(g, run.train_set[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
     prompt_ids = run.prompter.encode([ex for _, ex in mine])
+    _agent_stats(run, "")  # drop the counts of the evaluations' dialogues: the metrics below are this sampling's
     with run.sampling(run.sampler):
-        outputs = run.engine.generate(prompt_ids, cfg.samples_per_prompt, run.params, gen)
+        records = {"records": [ex for _, ex in mine]} if run.task.agent is not None else {}  # dialogues' rows
+        outputs = run.engine.generate(prompt_ids, cfg.samples_per_prompt, run.params, gen, **records)
 
     # 2. Grade (in one batch) and cut into steps; a response without a reward (a custom reward's None) is left out
     # of the loss; with --oversample, keep the prompts whose responses differ in reward.
@@ -300,6 +302,7 @@ def iteration(run: Run, it: int) -> bool:
     rewarded = [ep for ep in sampled if ep.reward is not None]
     episodes = _informative(rewarded, cfg.prompts_per_iter) if cfg.oversample > 1 else rewarded
     metrics = _sample_metrics(run, it, mine, outputs, sampled, episodes)
+    metrics.update(_agent_stats(run, ""))
     metrics.update(_reward_stats(calls[-1:]))
     run.watch.update(metrics)
     t1 = time.perf_counter()
@@ -311,6 +314,7 @@ def iteration(run: Run, it: int) -> bool:
         raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                         f"checkpoint: {runs.latest(run.out) or 'none yet'}") from None
     run.engine.push_weights(run.sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
+    metrics.update(_agent_stats(run, "mc/"))  # the Monte Carlo dialogues' (VinePPO over turns)
     t2 = time.perf_counter()
     metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
     metrics.update(_logged_metrics(run, "metric/"))  # the reward functions' log_metric calls of this iteration
@@ -538,13 +542,32 @@ def graded_episodes(task: Task, tokenizer, drawn: list[tuple[int, Example, list[
 
 def _episode(task: Task, tokenizer, prompt_ids: list[int], sample, group: int, ex: Example,
              reward: float | None) -> Episode:
-    """One graded response, its reasoning steps mapped to token ranges (or runs of `task.step_tokens` tokens)."""
-    if task.step_tokens:
-        steps = every_n_tokens(len(sample.token_ids), task.step_tokens)
+    """One graded response, its reasoning steps mapped to token ranges (runs of `task.step_tokens` tokens, or a
+    dialogue's turns); a dialogue keeps its mask, its record and the prompt its engine gave it."""
+    n = len(sample.token_ids)
+    if task.step_turns and sample.turns is not None:
+        steps = list(zip(sample.turns, sample.turns[1:] + [n]))
+    elif task.step_tokens:
+        steps = every_n_tokens(n, task.step_tokens)
     else:
         steps = step_token_ranges(task.response_steps(sample.text), token_char_offsets(tokenizer, sample.token_ids))
-    return Episode(prompt_ids, list(sample.token_ids), sample.text, reward, group, ex, steps,
-                   sample.finish_reason != "stop", list(sample.logprobs))
+    return Episode(sample.prompt_ids or prompt_ids, list(sample.token_ids), sample.text, reward, group, ex, steps,
+                   sample.finish_reason != "stop", list(sample.logprobs), sample.mask, sample.record)
+
+
+def dialogues(cfg: TrainConfig, task: Task, prompter: Prompter, engine: RolloutEngine) -> RolloutEngine:
+    """The engine, or for a task with tools or an environment one whose samples are dialogues (vineppo.agents)."""
+    return agents.for_task(engine, task, prompter, cfg.reward_timeout_s, resume=needs(cfg.estimator).rollouts)
+
+
+def _agent_stats(run: Run, prefix: str) -> dict[str, float]:
+    """The dialogues' counts since the last take (turns, tool calls and their faults), summed over ranks."""
+    take = getattr(run.engine, "take_stats", None)  # a dialogue engine's (vineppo.agents); others count nothing
+    if take is None:
+        return {}
+    mine = take()
+    names = sorted({k for part in dist.all_gather_objects(sorted(mine)) for k in part})
+    return {prefix + k: v for k, v in zip(names, dist.all_sum([mine.get(k, 0.0) for k in names]))}
 
 
 def _informative(episodes: list[Episode], keep: int) -> list[Episode]:

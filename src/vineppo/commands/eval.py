@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from vineppo import agents
 from vineppo import config as configs
 from vineppo.config import ENGINES, check_engine
 from vineppo.errors import UserError
@@ -60,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     configs.check_flags(vars(args), RULES)
     check_format(args.prompt_format or "auto")
     check_engine(args.engine)
-    if args.task == "custom" and not args.reward:  # checked before the model loads, as train's config does
-        raise UserError("task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION)")
+    if args.task == "custom" and not args.reward and not args.env:  # before the model loads, as train's config does
+        raise UserError("task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION), "
+                        "or an environment that gives the reward (--env)")
     task = get_task(args.task, args)
     examples = task.load(args.split, args.data, args.data_seed)[: args.limit]
     if not examples:
@@ -84,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
         start = time.perf_counter()
         settings = EvalSettings(args.samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
-        res = evaluate(got.engine, task, examples, settings, got.prompter, progress=tick)
+        timeout = args.reward_timeout_s if args.reward_timeout_s is not None else 60.0
+        engine = agents.for_task(got.engine, task, got.prompter, timeout, resume=False)
+        res = evaluate(engine, task, examples, settings, got.prompter, progress=tick)
         res["tokens_per_s"] = res["tokens"] / (time.perf_counter() - start)  # generated tokens, sampled and greedy
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
     summary = {k: v for k, v in res.items() if k != "results"}

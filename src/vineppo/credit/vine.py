@@ -17,7 +17,7 @@ from vineppo.credit.base import Credit, CreditContext, Episode, Needs, known, re
 from vineppo.engine import Request, Sample
 from vineppo.grading import continuation_rewards
 
-StateKey = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt ids, response ids before the state)
+StateKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (example id, prompt ids, response ids before the state)
 
 
 @dataclass
@@ -76,12 +76,13 @@ def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str) -> lis
 def find_states(episodes: list[Episode], mode: str, cap: int) -> States:
     """Each episode's segment starts (`mode`: --mc-states) and, of the first `cap`, the distinct prefixes.
 
-    A state is a token prefix: the prompt is shared by all responses to it, and responses often share their first
-    steps, so each distinct prefix is one State (its first holder's) whose value every holder reads."""
+    A state is a token prefix of one example: the prompt is shared by all responses to it, and responses often share
+    their first steps, so each distinct prefix is one State (its first holder's) whose value every holder reads. The
+    example is part of the state: an environment's hidden state (a row's secret) is not in the tokens."""
     cuts, keys, unique = [], [], {}
     for i, ep in enumerate(episodes):
         cuts.append(state_offsets(ep.steps, len(ep.response_ids), mode))
-        keys.append({s: (tuple(ep.prompt_ids), tuple(ep.response_ids[:s])) for s in cuts[-1][:cap]})
+        keys.append({s: (ep.example.id, tuple(ep.prompt_ids), tuple(ep.response_ids[:s])) for s in cuts[-1][:cap]})
         for s, key in keys[-1].items():
             unique.setdefault(key, State(i, s))
     return States(cuts, keys, unique)
@@ -108,15 +109,23 @@ def monte_carlo(episodes: list[Episode], states: list[State], ctx: CreditContext
     more = (lambda q, j, samples: next_round(known(scored(q, j, samples)), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
         if adaptive else None
     eps = [episodes[i] for i in owners]
+    records = [ep.record for ep in eps] if any(ep.record is not None for ep in eps) else None  # dialogues resume
     out = ctx.rollouts.continuations(Request(
         [ep.prompt_ids + ep.response_ids for ep in eps],
         [[len(ep.prompt_ids) + st.offset for st in owned[i]] for ep, i in zip(eps, owners)],
         ctx.mc_k_min if adaptive else ctx.mc_k, ctx.params, ctx.generator, ctx.progress,
-        [[ctx.params.max_new_tokens - st.offset for st in owned[i]] for i in owners], more))
+        [[room(ep, st.offset, ctx.params.max_new_tokens) for st in owned[i]] for ep, i in zip(eps, owners)], more,
+        records))
     for q, per_state in enumerate(out):
         for j, samples in enumerate(per_state):
             scored(q, j, samples)
             owned[owners[q]][j].samples = samples
+
+
+def room(ep: Episode, offset: int, max_new_tokens: int) -> int:
+    """New tokens a continuation from response offset `offset` may add: what the response had left (a dialogue's
+    turns each have max_new_tokens of their own: its engine keeps the dialogue's total)."""
+    return max_new_tokens if ep.record is not None else max_new_tokens - offset
 
 
 def step_credit(episodes: list[Episode], states: States, value: dict[StateKey, float],
@@ -151,7 +160,7 @@ def trained_continuations(episodes: list[Episode], states: list[State],
                 continue
             extra.append(Episode(ep.prompt_ids + ep.response_ids[:st.offset], list(s.token_ids), s.text,
                                  st.rewards[i], ep.group, ep.example, [(0, len(s.token_ids))],
-                                 s.finish_reason != "stop", list(s.logprobs)))
+                                 s.finish_reason != "stop", list(s.logprobs), s.mask))
             advantages.append(torch.full((len(s.token_ids),), float(a)))
     return extra, advantages
 

@@ -37,6 +37,14 @@ class Sample:
     text: str  # tokenizer.decode(token_ids, skip_special_tokens=True)
     logprobs: list[float]  # per token; native: log_softmax(logits / T) before top-p (plain when greedy); vLLM: at T = 1
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    # A multi-turn dialogue (vineppo.agents) also has tokens a tool or an environment inserted:
+    mask: list[int] | None = None  # per token: 1 the policy's, 0 inserted (None: every token the policy's)
+    turns: list[int] | None = None  # offsets in token_ids where the policy's turns start
+    messages: list[dict] | None = None  # the whole dialogue after the prompt, as chat messages (what rewards read)
+    reward: float | None = None  # the environment's reward, when it gives one
+    record: object = None  # what resuming the dialogue at one of its turns needs (the agent engine's)
+    prompt_ids: list[int] | None = None  # the prompt it continues, when the engine changed it (an environment's first
+    # observation); None: the prompt it was given
 
 
 Progress = Callable[[int], None]  # called with the number of samples finished so far in the job
@@ -56,6 +64,7 @@ class Request:
     progress: Progress | None = None  # called as samples finish
     budgets: list[list[int]] | None = None  # per boundary, new tokens at most (None: params.max_new_tokens each)
     more: More | None = None  # adaptive: further rounds for the prefixes that ask for them
+    records: list | None = None  # per sequence, what a multi-turn engine needs to resume it (Sample.record)
 
     def checked(self) -> Request:
         """This request with its budgets filled in, or a ValueError naming what is wrong with it."""
@@ -72,8 +81,10 @@ class RolloutEngine(Protocol):
     tokenizer: object  # the tokenizer its samples are decoded with
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                 generator: torch.Generator | None = None, progress: Progress | None = None) -> list[list[Sample]]:
-        """n samples per prompt."""
+                 generator: torch.Generator | None = None, progress: Progress | None = None,
+                 records: list | None = None) -> list[list[Sample]]:
+        """n samples per prompt; `records` (one per prompt) is what a multi-turn engine needs of each (its example),
+        which single-turn backends ignore."""
 
     def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens.

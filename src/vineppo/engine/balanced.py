@@ -25,7 +25,9 @@ class BalancedContinuations:
 
     def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """Same contract as Engine.continuations, computed cooperatively by every rank (adaptive jobs: each its own)."""
-        if not dist.active() or req.more is not None:  # `more` grades this rank's episodes: it cannot judge another's
+        # `more` grades this rank's episodes, and dialogue records hold this rank's tools and environments: neither
+        # can be dealt out to another rank
+        if not dist.active() or req.more is not None or req.records is not None:
             self.states_run += sum(len(b) for b in req.boundaries)
             return self.engine.continuations(req)
         req = req.checked()

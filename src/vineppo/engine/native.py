@@ -87,8 +87,10 @@ class Engine:
         return next(self.model.parameters()).device
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                 generator: torch.Generator | None = None, progress: Progress | None = None) -> list[list[Sample]]:
-        """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples."""
+                 generator: torch.Generator | None = None, progress: Progress | None = None,
+                 records: list | None = None) -> list[list[Sample]]:
+        """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples (`records`: what
+        a multi-turn engine reads of each prompt; unused here)."""
         check_prompts(prompts)
         out = self._run(Request(prompts, [[len(p)] for p in prompts], n, params, generator, progress).checked())
         return [r[0] for r in out]

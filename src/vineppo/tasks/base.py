@@ -60,11 +60,17 @@ class Task:
     preset: str | None = None  # the preset `vineppo train --task NAME` uses without --config ("": TrainConfig's
     # defaults; None: none, --config is required)
     cpu_preset: str | None = None  # the preset used instead of `preset` on a CPU (None: `preset` everywhere)
+    agent: Any = None  # the tools and environment of a multi-turn task (vineppo.tasks.agent.AgentSpec); None: one turn
+    step_turns: bool = False  # a response's steps are its turns (--steps turns), not `split_steps`
 
     def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
         """The reward of each finished completion texts[i] (token ids token_ids[i]) of examples[i], None where there
         is none; the trainer, eval and the analyses call this, once per batch. Default: `grade` per completion."""
         return [self.grade(text, ex.answer) for ex, text in zip(examples, texts)]
+
+    def row(self, example: Example) -> dict:
+        """The example as a row of named columns (what an environment's reset reads)."""
+        return {"id": example.id, "prompt": example.problem, "answer": example.answer}
 
     def preset_on(self, device: str) -> str | None:
         """The preset a run without --config uses on `device` (cpu, cuda, ...): `cpu_preset` on a CPU if it has one,

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from vineppo.errors import UserError
 from vineppo.rewards import ARGUMENTS, CONTEXT, Batch, RewardLog, Rewards, check_signature, load_function
 from vineppo.steps import STEPS_HELP, make_splitter, token_steps
+from vineppo.tasks.agent import FORMATS, MARKUP, AgentSpec, Markup, load_env, load_tools
 from vineppo.tasks.base import Example, Task, register
 from vineppo.tasks.data import carve, load_hub, read_jsonl
 
@@ -48,9 +49,16 @@ class Settings:
     reward_weights: tuple[float, ...] | None = None  # one per function (None: 1 each)
     prompt_column: str = "prompt"
     completion_column: str | None = None  # the reference completion (None: none, or a `messages` column's)
-    steps: str = "lines"  # the step splitter (vineppo.steps.make_splitter)
+    steps: str | None = None  # the step splitter (vineppo.steps.make_splitter; None: turns with tools or an
+    # environment, else lines)
     success_threshold: float = 1.0  # reward at or above which a response counts as solved
-    reward_timeout_s: float = 60.0  # time limit of one reward call (0: none)
+    reward_timeout_s: float = 60.0  # time limit of one reward call, tool call or environment step (0: none)
+    tools: tuple[str, ...] = ()  # FILE.py:fn1,fn2 (vineppo.tasks.agent)
+    env: str | None = None  # FILE.py:Class: an environment that answers the model's turns
+    max_turns: int = 4  # the model's turns per dialogue
+    max_total_tokens: int = 0  # tokens after the prompt in a dialogue (0: max_new_tokens x max_turns)
+    tool_format: str = "auto"  # template | plain | auto
+    tool_markup: str = MARKUP  # OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE of the plain format
 
     @classmethod
     def read(cls, source: Any) -> Settings:
@@ -66,7 +74,9 @@ class Settings:
                 given["reward_weights"] = tuple(float(w) for w in weights)
             except (TypeError, ValueError):
                 raise UserError(f"--reward-weights {weights!r}: expected numbers, e.g. 1,0.5") from None
-        settings = cls(**{**given, "reward": tuple(given.get("reward", ()))})
+        if isinstance(given.get("tools"), str):
+            given["tools"] = [given["tools"]]
+        settings = cls(**{**given, "reward": tuple(given.get("reward", ())), "tools": tuple(given.get("tools", ()))})
         if not math.isfinite(settings.success_threshold):
             raise UserError(f"--success-threshold: must be a finite number, got {settings.success_threshold}")
         if not settings.reward_timeout_s >= 0:
@@ -107,6 +117,11 @@ class CustomTask(Task):
         """What the reward functions log (vineppo.rewards.RewardLog): their values per call, log_metric, log_extra."""
         self.data.functions()
         return self.data.rewards.log
+
+    def row(self, example: Example) -> dict:
+        """The example's row as the data gives it: its prompt and every other column (an environment's reset reads it)."""
+        row = self.data.rows[example.id]
+        return {"prompt": row.prompt, **row.columns}
 
     def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
         """The rewards of completions `texts` of `examples`: one call of each reward function (vineppo.rewards)."""
@@ -225,7 +240,8 @@ class Data:
             if set(row.columns) != set(names):
                 raise UserError(f"{key}: its columns ({', '.join(row.columns)}) are not those of {keys[0]} "
                                 f"({', '.join(names)}), which it is scored with")
-        chat = [[{"role": "assistant", "content": t}] for t in texts]
+        # a dialogue's completion is its messages (TRL's conversational form); a chat reply one assistant message
+        chat = [t if isinstance(t, list) else [{"role": "assistant", "content": t}] for t in texts]
         return self.rewards(Batch(prompts=[r.prompt for r in rows], completions=chat if self.format == "chat" else
                                   list(texts), completion_ids=[list(ids) for ids in token_ids],
                                   columns={c: [r.columns[c] for r in rows] for c in names}, where=list(keys)))
@@ -244,11 +260,21 @@ def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None
                        help="a reward function in TRL's form, FILE.py:FUNCTION or package.module:FUNCTION (repeatable)")
     group.add_argument("--reward-weights", default=None,
                        help="one weight per --reward, comma-separated (default: 1 each)")
-    group.add_argument("--steps", default=None, help=f"VinePPO's steps: {STEPS_HELP} (default: lines)")
+    group.add_argument("--steps", default=None, help=f"VinePPO's steps: {STEPS_HELP} (default: turns with tools or "
+                       f"an environment, else lines)")
     group.add_argument("--success-threshold", type=float, default=None,
                        help="reward at or above which a response counts as solved (default: 1.0)")
     group.add_argument("--reward-timeout-s", type=float, default=None,
-                       help="seconds one reward call may take (default: 60; 0: no limit)")
+                       help="seconds one reward call, tool call or environment step may take (default: 60; 0: no limit)")
+    group.add_argument("--tools", action="append", default=None, metavar="FILE.py:FN1,FN2",
+                       help="functions the model may call (type hints and an Args: docstring; repeatable)")
+    group.add_argument("--env", default=None, metavar="FILE.py:CLASS",
+                       help="an environment that answers the model's turns: reset(row), step(text)")
+    group.add_argument("--max-turns", type=int, default=None, help="the model's turns per dialogue (default 4)")
+    group.add_argument("--max-total-tokens", type=int, default=None,
+                       help="tokens after the prompt in a dialogue (default: --max-new-tokens x --max-turns)")
+    group.add_argument("--tool-format", default=None, help="template, plain or auto (default: auto)")
+    group.add_argument("--tool-markup", default=None, help=f"the plain format's markup (default: {MARKUP})")
 
 
 def turns(value: Any) -> bool:
@@ -323,12 +349,30 @@ def read_csv(file: Path, path: str) -> tuple[list[dict], list[str]]:
 
 
 def make_task(settings: Settings, objects: dict[str, Any] | None = None) -> CustomTask:
-    """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables)."""
-    data = Data(settings, objects or {})
+    """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables,
+    tools, an environment class)."""
+    objects = objects or {}
+    data = Data(settings, objects)
+    agent = agent_of(settings, objects)
+    steps = settings.steps or ("turns" if agent else "lines")
     return CustomTask(name="custom", preset="", cpu_preset="custom-cpu", load=data.load, grade=None,
-                      split_steps=make_splitter(settings.steps),
-                      prompt_template="{problem}", instruction="", stop=(), lenient=None,
-                      step_tokens=token_steps(settings.steps), settings=settings, data=data)
+                      split_steps=make_splitter(steps), prompt_template="{problem}", instruction="", stop=(),
+                      lenient=None, step_tokens=token_steps(steps), step_turns=steps == "turns", agent=agent,
+                      settings=settings, data=data)
+
+
+def agent_of(settings: Settings, objects: dict[str, Any]) -> AgentSpec | None:
+    """The tools and environment the settings (or the Python API's objects) name, loaded and checked; None: none."""
+    tools = list(objects.get("tools") or settings.tools)
+    env = objects.get("env") or settings.env
+    if not tools and env is None:
+        return None
+    if settings.tool_format not in FORMATS:
+        raise UserError(f"--tool-format {settings.tool_format!r}: choose one of {', '.join(FORMATS)}")
+    if settings.max_turns < 1 or settings.max_total_tokens < 0:
+        raise UserError("--max-turns must be >= 1 and --max-total-tokens >= 0")
+    return AgentSpec(load_tools(tools), load_env(env) if env is not None else None, settings.max_turns,
+                     settings.max_total_tokens, settings.tool_format, Markup.parse(settings.tool_markup))
 
 
 register(make_task(Settings()))

@@ -1,0 +1,92 @@
+"""One dialogue in progress: the policy's turns, the tokens tools and an environment insert between them, and what
+resuming it at one of its turns needs.
+
+Tokens are kept as the model reads them: the prompt, then everything after it (`after`), each token marked as the
+policy's or inserted (`mask`). A turn starts where the policy writes next; `snapshots` hold, for each turn start,
+the dialogue's messages so far and the environment as it was there (a copy, or the earlier turns' texts for a
+deterministic environment's replay).
+"""
+
+from __future__ import annotations
+
+import copy as copying
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from vineppo.engine.api import Sample
+
+
+@dataclass
+class Snapshot:
+    """A dialogue at the start of one of its turns."""
+
+    tokens: int  # len(after) there
+    messages: int  # len(messages) there
+    env: Any = None  # the environment's copy() there, or None (replayed from `actions`, or no environment)
+    actions: int = 0  # policy turns before it (a deterministic environment is replayed with their texts)
+
+
+@dataclass
+class Record:
+    """What resuming a dialogue at one of its turns needs (Sample.record, kept on its episode)."""
+
+    example: Any
+    prompt: list[int]
+    after: list[int]
+    mask: list[int]
+    messages: list[dict]
+    actions: list[str]  # the policy's turn texts, in order
+    snapshots: list[Snapshot]
+
+    def at(self, offset: int) -> Snapshot:
+        """The snapshot of the turn that starts at response offset `offset` (a VinePPO state)."""
+        for snap in self.snapshots:
+            if snap.tokens == offset:
+                return snap
+        raise ValueError(f"no turn starts at response offset {offset}")
+
+
+@dataclass
+class Dialogue:
+    """A rollout under way, from a prompt or from a turn of an earlier dialogue (`start`: where its own tokens start)."""
+
+    example: Any
+    prompt: list[int]
+    after: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)  # offsets in `after` where the policy's turns start
+    messages: list[dict] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    env: Any = None
+    start: int = 0  # len(after) when this rollout began (a continuation's prefix before it)
+    finish: str | None = None  # "stop" or "length" once over
+    reward: float | None = None  # the environment's
+    pending: tuple[str, Future, str] | None = None  # (tool or env, the call under way, the turn's end token)
+    seen: bool = False  # this round's turn has been taken in
+
+    def begin_turn(self) -> None:
+        """Mark the start of a policy turn and snapshot the dialogue there."""
+        self.turns.append(len(self.after))
+        env = self.env.copy() if self.env is not None and callable(getattr(self.env, "copy", None)) else None
+        self.snapshots.append(Snapshot(len(self.after), len(self.messages), env, len(self.actions)))
+
+    def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
+        """Append tokens, the policy's (with their sampling log-probs) or inserted (masked out)."""
+        self.after += tokens
+        self.mask += [int(policy)] * len(tokens)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+
+    def sample(self, tokenizer) -> Sample:
+        """This rollout as a Sample: its own tokens (from `start`), their mask and turns, the whole dialogue's messages,
+        and the record that resumes it."""
+        own = self.after[self.start:]
+        record = Record(self.example, self.prompt, list(self.after), list(self.mask), copying.deepcopy(self.messages),
+                        list(self.actions), list(self.snapshots))
+        return Sample(own, tokenizer.decode(own, skip_special_tokens=True), self.logprobs[self.start:],
+                      self.finish or "length", mask=self.mask[self.start:],
+                      turns=[t - self.start for t in self.turns if t >= self.start],
+                      messages=copying.deepcopy(self.messages), reward=self.reward, record=record,
+                      prompt_ids=list(self.prompt))

@@ -1,0 +1,169 @@
+"""What a task's model may call and what answers it: tools (`--tools FILE.py:fn1,fn2`) and an environment
+(`--env FILE.py:Class`), loaded and checked before any model loads. The dialogues themselves run in
+vineppo.agents.
+
+**A tool** is a plain Python function with type hints and a docstring whose `Args:` section describes each
+argument, as TRL's `tools=` takes it: its JSON schema (transformers' `get_json_schema`) goes into the chat template
+(`--tool-format template`) or, for a model whose template knows no tools, into a system text that shows the call
+markup (`plain`, e.g. SmolLM2). A call is `OPEN{"name": ..., "arguments": {...}}CLOSE`; its result goes back as
+`RESULT_OPEN...RESULT_CLOSE` (`--tool-markup OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE`). A task with one tool of one
+argument takes a call that is not JSON as that argument written out (`<calc>347 * 29</calc>`).
+
+**An environment** is a class whose instances answer one dialogue: `reset(row) -> str` (the first observation,
+appended to the prompt; "" for none), then `step(text) -> (observation, done)` or `(observation, done, reward)`
+for each of the model's turns. VinePPO's continuations from a turn need the environment as it was there: a class
+either says `deterministic = True` (rebuilt from its row and replayed with the dialogue's earlier turns) or has a
+`copy()` that snapshots an instance.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vineppo.errors import UserError
+from vineppo.rewards import load_function, one_line
+
+MARKUP = "<tool_call>|</tool_call>|<tool_response>|</tool_response>"
+FORMATS = ("auto", "template", "plain")
+
+
+@dataclass(frozen=True)
+class Markup:
+    """How a call is written and how its result comes back, in the plain format (the template's own otherwise)."""
+
+    call_open: str = "<tool_call>"
+    call_close: str = "</tool_call>"
+    result_open: str = "<tool_response>"
+    result_close: str = "</tool_response>"
+
+    @classmethod
+    def parse(cls, text: str) -> Markup:
+        """The markup of `--tool-markup OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE`, or a UserError."""
+        parts = text.split("|")
+        if len(parts) != 4 or not all(p.strip() for p in parts):
+            raise UserError(f"--tool-markup {text!r}: expected four non-empty parts, OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE")
+        return cls(*parts)
+
+
+@dataclass
+class Tool:
+    """A function the model may call, by name, with its JSON schema."""
+
+    name: str
+    fn: Callable
+    schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
+
+    def parameters(self) -> dict:
+        """The arguments' schemas by name."""
+        return self.schema["function"].get("parameters", {}).get("properties", {})
+
+    def line(self) -> str:
+        """One line for the plain format's system text: name(arg: type, ...): description."""
+        params = self.schema["function"].get("parameters", {}).get("properties", {})
+        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in params.items())
+        return f"{self.name}({args}): {self.schema['function'].get('description', '')}"
+
+
+@dataclass
+class AgentSpec:
+    """The tools and environment of a task, and how its dialogues run."""
+
+    tools: dict[str, Tool] = field(default_factory=dict)
+    env: type | None = None  # instantiated once per dialogue
+    max_turns: int = 4  # the model's turns per dialogue; a dialogue still going after them is cut off (reward 0)
+    max_total_tokens: int = 0  # tokens after the prompt, the model's and inserted ones (0: max_new_tokens x max_turns)
+    format: str = "auto"  # template (the chat template's tools=) | plain (the markup in a system text) | auto
+    markup: Markup = Markup()
+
+    def system_text(self) -> str:
+        """The plain format's instruction: the tools and how to call them."""
+        if not self.tools:
+            return ""
+        first = next(iter(self.tools.values()))
+        example = json.dumps({"name": first.name, "arguments": {k: "..." for k in
+                                                                first.schema["function"]["parameters"]["properties"]}})
+        return ("You can call these tools:\n" + "\n".join(t.line() for t in self.tools.values()) +
+                f"\nTo call one, write {self.markup.call_open}{example}{self.markup.call_close} and stop; the result "
+                f"comes back as {self.markup.result_open}...{self.markup.result_close}.")
+
+    def single(self) -> str | None:
+        """The name of the only tool when it takes one argument (a call may then hold the argument alone), else None."""
+        if len(self.tools) != 1:
+            return None
+        name, tool = next(iter(self.tools.items()))
+        return name if len(tool.parameters()) == 1 else None
+
+    def call(self, text: str) -> tuple[str, dict] | str:
+        """The (name, arguments) of the last call written in `text`, or an error message for the model."""
+        at = text.rfind(self.markup.call_open)
+        if at < 0:
+            return f"error: no {self.markup.call_open} before {self.markup.call_close}"
+        body = text[at + len(self.markup.call_open):].rstrip().removesuffix(self.markup.call_close).strip()
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            if self.single() is not None:  # one tool of one argument: the body is that argument, as it is written
+                return self.single(), {next(iter(self.tools[self.single()].parameters())): body}
+            return f"error: the call is not JSON ({e.msg}); write {{\"name\": ..., \"arguments\": {{...}}}}"
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+                not isinstance(call.get("arguments", {}), dict):
+            return "error: a call is {\"name\": TOOL, \"arguments\": {...}}"
+        if call["name"] not in self.tools:
+            return f"error: no tool {call['name']!r}; the tools are {', '.join(self.tools)}"
+        return call["name"], call.get("arguments", {})
+
+
+def tool_of(fn: Callable, where: str) -> Tool:
+    """A Tool from a function with type hints and an Args: docstring, or a UserError naming `where`."""
+    from transformers.utils import get_json_schema  # transformers: only when tools are given
+
+    try:
+        schema = get_json_schema(fn)
+    except Exception as e:  # noqa: BLE001 - transformers' reasons (no hints, no docstring) become one line
+        raise UserError(f"{where}: a tool needs type hints and a docstring with an Args: section describing each "
+                        f"argument ({one_line(e)})") from None
+    return Tool(fn.__name__, fn, schema)
+
+
+def load_tools(specs: list) -> dict[str, Tool]:
+    """The tools of `--tools FILE.py:fn1,fn2` (repeatable) or the Python API's functions, by name."""
+    tools: dict[str, Tool] = {}
+    source = ""
+    for spec in specs:
+        if callable(spec):
+            found = [(spec.__name__, spec, f"tools=[{spec.__name__}]")]
+        else:  # FILE.py:fn1,fn2, which a list setting may have cut at its commas: a bare name is the last file's
+            source, _, names = str(spec).rpartition(":") if ":" in str(spec) else (source, ":", str(spec))
+            if not source or not names:
+                raise UserError(f"--tools {spec!r}: expected FILE.py:FUNCTION[,FUNCTION...]")
+            found = [(*load_function(f"{source}:{n.strip()}", flag="--tools"), f"--tools {source}:{n.strip()}")
+                     for n in names.split(",") if n.strip()]
+        for name, fn, where in found:
+            if name in tools:
+                raise UserError(f"{where}: a second tool named {name!r}")
+            tools[name] = tool_of(fn, where)
+    return tools
+
+
+def load_env(spec: Any) -> type:
+    """The environment class `--env FILE.py:Class` names (or the Python API's class), its methods checked."""
+    if isinstance(spec, type):
+        cls, where = spec, f"env={spec.__name__}"
+    else:
+        _, cls = load_function(str(spec), flag="--env")
+        where = f"--env {spec}"
+    if not isinstance(cls, type):
+        raise UserError(f"{where}: expected a class, got a {type(cls).__name__}")
+    for method, args in (("reset", 1), ("step", 1)):
+        fn = getattr(cls, method, None)
+        if not callable(fn) or len(inspect.signature(fn).parameters) < args + 1:
+            raise UserError(f"{where}: an environment needs {method}(self, {'row' if method == 'reset' else 'text'})")
+    return cls
+
+
+def resumable(env: type | None) -> bool:
+    """Whether dialogues with `env` can be continued from a turn: no environment, a deterministic one, or copy()."""
+    return env is None or getattr(env, "deterministic", False) is True or callable(getattr(env, "copy", None))

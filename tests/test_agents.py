@@ -1,0 +1,374 @@
+"""Multi-turn rollouts (vineppo.agents): tools and environments answer the policy's turns, their tokens are masked
+out of the update, VinePPO's states sit at turn boundaries and its continuations replay the dialogue; every fault is
+one line or a message back to the model, counted. A scripted engine writes the policy's turns."""
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vineppo import config as configs
+from vineppo.agents import AgentEngine, for_task
+from vineppo.credit import CreditContext, get_estimator
+from vineppo.engine import Request, Sample, SamplingParams
+from vineppo.errors import RewardError, UserError
+from vineppo.ppo import Surrogate, pack, policy_loss
+from vineppo.tasks import Example
+from vineppo.tasks.agent import AgentSpec, Markup, load_env, load_tools, tool_of
+from vineppo.trainer import _episode
+
+EOS = 3
+
+
+class CharTokenizer:
+    """One token per character (id = code point + 10), EOS = 3."""
+
+    eos_token_id, pad_token_id, all_special_ids = EOS, 0, [EOS]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) + 10 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i - 10) for i in ids if i != EOS and i >= 10)
+
+
+TOK = CharTokenizer()
+
+
+class Script:
+    """A rollout engine whose policy writes `turn(text so far)` and stops at a stop string or EOS."""
+
+    def __init__(self, turn, call_more=True):
+        self.turn, self.call_more, self.tokenizer, self.model, self.calls = turn, call_more, TOK, None, 0
+
+    def continuations(self, req: Request):
+        self.calls += 1
+        out = []
+        for i, (seq, (b,)) in enumerate(zip(req.sequences, req.boundaries)):
+            text = self.turn(TOK.decode(seq[:b]))
+            ended = "length" if len(text) > req.budgets[i][0] else "stop"
+            ids = TOK(text[: req.budgets[i][0]])["input_ids"] + ([EOS] if ended == "stop" and not any(
+                text.endswith(s) for s in req.params.stop) else [])
+            s = Sample(ids, TOK.decode(ids), [-0.5] * len(ids), ended)
+            if self.call_more and req.more is not None:
+                req.more(i, 0, [s])
+            out.append([[s]])
+        return out
+
+    def sleep(self):
+        pass
+
+    def push_weights(self, model):
+        pass
+
+
+class PlainPrompter:
+    """The plain format's prompter: the prompt is the example's problem, an observation goes on its own line."""
+
+    tool_format = "plain"
+
+    def prompt(self, ex, extra=""):
+        return TOK(ex.problem + (f"\n{extra}" if extra else ""))["input_ids"]
+
+    def next_turn(self, messages, ended_with):
+        return f"\n{messages[-1]['content']}\n"
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def boom(x: int) -> int:
+    """Raises.
+
+    Args:
+        x: anything
+    """
+    raise ValueError("no luck")
+
+
+def slow(x: int) -> int:
+    """Sleeps past the limit.
+
+    Args:
+        x: anything
+    """
+    time.sleep(1.0)
+    return x
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=80)
+EX = Example("row-1", "Q:", "", "")
+
+
+def _engine(turn, tools=(add,), env=None, max_turns=4, timeout=5.0, call_more=True, total=0):
+    spec = AgentSpec(load_tools(list(tools)), env, max_turns, total, "plain", Markup())
+    return AgentEngine(Script(turn, call_more), spec, PlainPrompter(), lambda ex: {"secret": 7}, timeout)
+
+
+def _calculator(text: str) -> str:
+    return CALL if "<tool_response>" not in text else "It is 5."
+
+
+@pytest.mark.parametrize("call_more", [True, False])
+def test_a_tool_call_is_answered_and_its_tokens_are_not_the_policys(call_more):
+    engine = _engine(_calculator, call_more=call_more)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    inserted = "<tool_response>5</tool_response>\n"
+    assert s.text == CALL + inserted + "It is 5." and s.finish_reason == "stop"
+    assert s.mask == [1] * len(CALL) + [0] * len(inserted) + [1] * (len("It is 5.") + 1)  # + EOS
+    assert s.turns == [0, len(CALL) + len(inserted)]
+    assert [m["role"] for m in s.messages] == ["assistant", "tool", "assistant"] and s.messages[1]["content"] == "5"
+    assert engine.take_stats() == {"agent/turns": 2.0, "agent/tool_calls": 1.0}
+
+
+def test_tool_faults_go_back_to_the_model_and_are_counted():
+    def turn(text):
+        calls = text.count("<tool_response>")
+        script = ['<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>', '<tool_call>not json</tool_call>',
+                  '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+                  '<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>', "done"]
+        return script[calls]
+
+    engine = _engine(turn, tools=(boom, slow), max_turns=5, timeout=0.2, total=1000)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    results = [m["content"] for m in s.messages if m["role"] == "tool"]
+    assert results[0].startswith("error: ValueError: no luck")
+    assert "not JSON" in results[1] and "no tool 'nope'" in results[2] and "past its 0.2 s limit" in results[3]
+    assert s.finish_reason == "stop" and s.text.endswith("done")
+    stats = engine.take_stats()
+    assert (stats["agent/tool_errors"], stats["agent/bad_calls"], stats["agent/unknown_tools"],
+            stats["agent/tool_timeouts"]) == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_max_turns_and_the_token_cap_cut_a_dialogue_off():
+    engine = _engine(lambda text: CALL, max_turns=3)  # calls for ever
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    assert s.finish_reason == "length" and len(s.turns) == 3 and engine.take_stats()["agent/cut_off"] == 1
+    engine = _engine(lambda text: CALL, total=100)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    assert s.finish_reason == "length" and len(s.token_ids) == 100
+
+
+class Guess:
+    """Higher or lower: the secret is the row's; the reward is the environment's."""
+
+    deterministic = True
+    made = 0
+
+    def reset(self, row):
+        Guess.made += 1
+        self.secret, self.tries = row["secret"], 0
+        return "Guess my number."
+
+    def step(self, text):
+        self.tries += 1
+        guess = int(text.split()[-1].rstrip("."))
+        if guess == self.secret:
+            return "right", True, 1.0
+        return ("higher" if guess < self.secret else "lower"), False
+
+
+def _guesser(text: str) -> str:
+    said = [line for line in text.split("\n") if line in ("higher", "lower")]
+    return f"I guess {5 + 1 * said.count('higher') - 1 * said.count('lower')}."
+
+
+def test_an_environment_answers_turns_and_gives_the_reward():
+    engine = _engine(_guesser, tools=(), env=Guess)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    assert TOK.decode(s.prompt_ids) == "Q:\nGuess my number."  # reset's first observation joins the prompt
+    assert [m["content"] for m in s.messages] == ["I guess 5.", "higher", "I guess 6.", "higher", "I guess 7."]
+    assert s.reward == 1.0 and s.finish_reason == "stop" and len(s.turns) == 3
+
+
+def test_a_continuation_from_a_turn_replays_the_dialogue_and_calls_the_tools_again():
+    calls = []
+
+    def counted(a: int, b: int) -> int:
+        """Adds, counted.
+
+        Args:
+            a: a number
+            b: a number
+        """
+        calls.append((a, b))
+        return a + b
+
+    engine = _engine(lambda text: CALL.replace("add", "counted") if "<tool_response>" not in text else "It is 5.",
+                     tools=(counted,))
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    assert len(calls) == 1
+    prompt, boundary = s.prompt_ids, len(s.prompt_ids)  # the first turn's state: the prompt itself
+    (cont,), = engine.continuations(Request([prompt + s.token_ids], [[boundary]], 2, PARAMS, records=[s.record]))
+    assert [c.token_ids for c in cont] == [s.token_ids] * 2 and len(calls) == 3  # the same dialogue, tools called again
+    # from the second turn: the prefix holds the call and its result; the continuation writes the last turn alone
+    (later,), = engine.continuations(Request([prompt + s.token_ids], [[boundary + s.turns[1]]], 1, PARAMS,
+                                             records=[s.record]))
+    assert later[0].text == "It is 5." and later[0].messages == s.messages and len(calls) == 3
+
+
+def test_a_deterministic_environment_is_rebuilt_and_replayed_and_vine_values_turns():
+    engine = _engine(_guesser, tools=(), env=Guess)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    made = Guess.made
+    (cont,), = engine.continuations(Request([s.prompt_ids + s.token_ids], [[len(s.prompt_ids) + s.turns[2]]], 1,
+                                            PARAMS, records=[s.record]))
+    assert Guess.made == made + 1 and cont[0].messages == s.messages and cont[0].reward == 1.0
+    # VinePPO over turns: a state at every turn; the continuations from each win (the guesser is deterministic)
+    ep = _episode(SimpleNamespace(step_turns=True, step_tokens=0), TOK, [], s, 0, EX, 1.0)
+    assert ep.steps == [(0, s.turns[1]), (s.turns[1], s.turns[2]), (s.turns[2], len(s.token_ids))]
+    ctx = CreditContext(rollouts=engine, tokenizer=TOK, score=lambda *a: pytest.fail("the environment rewards"),
+                        params=PARAMS, mc_k=2)
+    credit = get_estimator("vine")([ep], ctx)
+    assert credit.advantages[0].tolist() == [0.0] * len(s.token_ids) and credit.stats["mc/states"] == 3
+
+
+def test_an_environment_that_raises_stops_with_the_rows_id():
+    class Broken(Guess):
+        def step(self, text):
+            raise KeyError("board")
+
+    engine = _engine(_guesser, tools=(), env=Broken)
+    with pytest.raises(RewardError, match="row-1: the environment's step raised KeyError"):
+        engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+
+
+def test_vineppo_refuses_an_environment_it_cannot_rebuild_and_bad_tools_are_one_line():
+    class Opaque:
+        def reset(self, row):
+            return ""
+
+        def step(self, text):
+            return "", True
+
+    task = SimpleNamespace(agent=AgentSpec({}, Opaque), row=lambda ex: {})
+    with pytest.raises(UserError, match="deterministic = True"):
+        for_task(Script(_guesser), task, PlainPrompter(), 1.0, resume=True)
+    assert isinstance(for_task(Script(_guesser), task, PlainPrompter(), 1.0, resume=False), AgentEngine)
+
+    def bare(x):
+        return x
+
+    with pytest.raises(UserError, match="type hints and a docstring"):
+        tool_of(bare, "--tools f.py:bare")
+    with pytest.raises(UserError, match="an environment needs step"):
+        load_env(type("NoStep", (), {"reset": lambda self, row: ""}))
+    with pytest.raises(UserError, match="four non-empty parts"):
+        Markup.parse("<a>|</a>")
+
+
+def test_inserted_tokens_get_no_loss_and_no_kl():
+    torch.manual_seed(0)
+    prompts, responses = [[5, 6]], [[7, 8, 9, 10, 11]]
+    masks = [[1, 1, 0, 0, 1]]  # tokens 2 and 3 a tool's
+    b = pack(prompts, responses, 0, [torch.ones(5)], masks=masks)
+    assert b.mask.tolist() == [[1, 1, 0, 0, 1]]
+    logp = torch.randn(1, 5, requires_grad=True)
+
+    def grad(adv, old, ref):
+        logp.grad = None
+        loss, _ = policy_loss(logp, old, ref, adv, b.mask, Surrogate(kl_coef=0.5))
+        loss.backward()
+        return logp.grad.clone()
+
+    adv, old, ref = torch.ones(1, 5), logp.detach() - 0.1, logp.detach() + 0.2
+    planted = [t.clone() for t in (adv, old, ref)]
+    for t, v in zip(planted, (50.0, -9.0, 7.0)):  # anything on the inserted tokens
+        t[0, 2:4] = v
+    assert torch.equal(grad(adv, old, ref), grad(*planted))
+    assert grad(adv, old, ref)[0, 2:4].tolist() == [0.0, 0.0]
+
+
+def test_tools_and_environments_are_settings_of_a_custom_task_of_the_ppo_family():
+    with pytest.raises(UserError, match="setting of --task custom"):
+        configs.resolve({}, {"tools": ["t.py:add"]})
+    with pytest.raises(UserError, match="PPO-family"):
+        configs.resolve({}, {"task": "custom", "model": "m", "algo": "restem", "env": "e.py:Guess"})
+    cfg = configs.resolve({}, {"task": "custom", "model": "m", "env": "e.py:Guess"})  # the environment rewards
+    assert cfg.max_turns == 4 and json.loads(json.dumps(cfg.tool_markup)).count("|") == 3
+
+
+TOOLS_FILE = '''
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+'''
+
+ENV_FILE = '''
+class TwoTurns:
+    """Answers the first turn with "go on", ends the dialogue after the second: reward 1 for an even length."""
+
+    deterministic = True
+
+    def reset(self, row):
+        self.turns = 0
+        return ""
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns < 2:
+            return "go on", False
+        return "", True, float(len(text) % 2 == 0)
+'''
+
+REWARD_FILE = '''
+def said_answer(completions, answer, **kwargs):
+    return [float(a in m[-1]["content"]) for m, a in zip(completions, answer)]
+'''
+
+
+# Environments only: the tiny arith model answers a prompt that lists tools with digits to the token limit (the
+# trainer refuses an iteration whose responses all hit it); tool calls are covered above with a scripted engine.
+@pytest.mark.parametrize("algo,kind", [("vineppo", "env"), ("grpo", "env")])
+def test_dialogues_train_end_to_end_from_the_command_line(tiny_sft, tmp_path, capsys, algo, kind):
+    from vineppo import cli
+    from vineppo.tasks import get_task
+
+    torch.set_num_threads(1)
+    task = get_task("arith")
+    rows = [{"prompt": task.prompt(ex), "answer": ex.answer} for ex in task.load("train", "premature=0", 0)[:40]]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "tools.py").write_text(TOOLS_FILE)
+    (tmp_path / "game.py").write_text(ENV_FILE)
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    agent = ["--env", f"{tmp_path / 'game.py'}:TwoTurns"] if kind == "env" else \
+        ["--tools", f"{tmp_path / 'tools.py'}:add", "--reward", f"{tmp_path / 'rewards.py'}:said_answer"]
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", "--task", "custom", "--model", str(tiny_sft), "--data", str(tmp_path / "train.jsonl"),
+                  "--eval-data", str(tmp_path / "train.jsonl"), "--algo", algo, "--iterations", "2", "--max-turns",
+                  "2", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "64", "--mc-k",
+                  "2", "--eval-problems", "4", "--eval-samples", "2", "--out", str(tmp_path / "run"), "--json",
+                  *agent])
+    assert done.value.code == 0, capsys.readouterr().err[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    it = rows[1]
+    assert it["agent/turns"] >= 16 and it["train/trained_tokens"] <= it["train/response_tokens"] * 16
+    if kind == "env":  # every dialogue has two turns; the second turn's observation is masked
+        assert it["agent/turns"] == 32 and it["train/trained_tokens"] < it["train/response_tokens"] * 16
+    if algo == "vineppo":  # a state at each turn start, continued for real
+        assert it["mc/agent/turns"] > 0 and it["mc/states"] >= 16
+
+
+def test_tools_load_from_a_file_by_name_and_a_list_setting_cut_at_commas_keeps_the_file(tmp_path):
+    (tmp_path / "t.py").write_text(TOOLS_FILE + TOOLS_FILE.replace("def add", "def plus"))
+    spec = f"{tmp_path / 't.py'}:add,plus"
+    assert list(load_tools([spec])) == ["add", "plus"]
+    assert list(load_tools(configs.resolve({}, {"task": "custom", "model": "m", "reward": ["r.py:f"],
+                                                "tools": [spec]}).tools)) == ["add", "plus"]
+    with pytest.raises(UserError, match="has no function 'minus'"):
+        load_tools([f"{tmp_path / 't.py'}:minus"])
