@@ -127,6 +127,48 @@ def _rerun(grpo: dict, vineppo: dict) -> str:
             f"VinePPO {vineppo['sft_test_pass@1']:.3f} → {vineppo['final_test_pass@1']:.3f}")
 
 
+CHEAP = "results/cheap-credit/study.json"
+
+
+def _cheap_cost(study: dict) -> str:
+    c = study["cost"]
+    return (f"{c['tempo']['ratio_to_grpo']:.2f}× ({c['tempo']['median_iteration_s']:.2f} s against "
+            f"{c['grpo']['median_iteration_s']:.2f} s; VinePPO {c['vineppo']['ratio_to_grpo']:.2f}×)")
+
+
+def _cheap_tree(study: dict) -> str:
+    c = study["cost"]
+    return (f"{c['tree_over_vineppo_trained_tokens_per_s']:.2f}× "
+            f"({c['vineppo-tree']['median_trained_tokens'] / c['vineppo']['median_trained_tokens']:.1f}× the tokens "
+            f"an iteration at {c['vineppo-tree']['ratio_to_grpo']:.2f}× GRPO's iteration)")
+
+
+def _cheap_values(study: dict) -> str:
+    m = study["values"]["mae"]
+    return f"MAE {m['tempo']:.3f} against {m['grpo']:.3f} (VinePPO K = 9: {m['vineppo_k9']:.3f})"
+
+
+def _cheap_credit(study: dict) -> str:
+    c, d = study["credit"]["share"], study["credit"]["tempo_minus_grpo"]
+    return (f"{c['tempo']['mean']:.2f} against {c['grpo']['mean']:.2f}, {d['mean']:+.2f} ± {d['se']:.2f} "
+            f"(truth {c['truth']['mean']:.2f}, VinePPO {c['vineppo_k9']['mean']:.2f})")
+
+
+def _cheap_row(task: str) -> Callable[[dict], str]:
+    def render(study: dict) -> str:
+        f = study["learning"][task]["final_pass@1"]
+        cells = [f"{100 * f[m]['mean']:.1f} ± {100 * f[m]['se']:.1f}" for m in
+                 ("vineppo", "vineppo-tree", "tempo", "grpo", "dr-grpo")]
+        return " | ".join(cells)
+    return render
+
+
+def _cheap_readme(study: dict) -> str:
+    c = study["cost"]
+    return (f"`tempo` costs {c['tempo']['ratio_to_grpo']:.2f}× a GRPO iteration and `vineppo-tree` "
+            f"{c['vineppo-tree']['ratio_to_grpo']:.2f}×")
+
+
 UPDATE = "results/benchmarks/throughput/update-sft-arith.json"
 
 
@@ -180,6 +222,18 @@ FIGURES = [
                                       f"{v['pass@1']:.3f} (VinePPO) in about "
                                       f"{max(gs['wall_clock_s'], vs['wall_clock_s']) / 60:.0f} minutes of run"),
     Figure("docs/models-and-gpus.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
+    Figure("docs/results.md", "1.00× (1.37 s against 1.38 s; VinePPO 1.67×)", (CHEAP,), _cheap_cost),
+    Figure("docs/results.md", "0.90× (4.6× the tokens an iteration at 8.62× GRPO's iteration)", (CHEAP,), _cheap_tree),
+    Figure("docs/results.md", "MAE 0.090 against 0.044 (VinePPO K = 9: 0.075)", (CHEAP,), _cheap_values),
+    Figure("docs/results.md", "0.63 against 0.48, +0.15 ± 0.11 (truth 0.70, VinePPO 0.71)", (CHEAP,), _cheap_credit),
+    Figure("docs/results.md", "45.1 ± 0.7 | 44.5 ± 2.5 | 41.2 ± 1.0 | 44.5 ± 0.8 | 43.1 ± 0.5", (CHEAP,),
+           _cheap_row("default")),
+    Figure("docs/results.md", "43.7 ± 1.5 | 38.8 ± 0.6 | 45.8 ± 1.4 | 47.9 ± 0.7 | 46.3 ± 1.1", (CHEAP,),
+           _cheap_row("skip")),
+    Figure("docs/results.md", "8.8 ± 1.3 | 8.7 ± 0.1 | 8.1 ± 0.6 | 10.0 ± 0.6 | 9.4 ± 0.6", (CHEAP,), _cheap_row("long")),
+    Figure("docs/results.md", "48.5 ± 5.6 | 33.1 ± 2.3 | 43.8 ± 6.2 | 44.4 ± 0.6 | 50.8 ± 6.7", (CHEAP,),
+           _cheap_row("pairs")),
+    Figure("README.md", "`tempo` costs 1.00× a GRPO iteration and `vineppo-tree` 8.62×", (CHEAP,), _cheap_readme),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
 ]
