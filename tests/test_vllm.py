@@ -271,38 +271,3 @@ def test_unknown_engine_is_refused():
     with pytest.raises(UserError, match="choose one of native, vllm"):
         make_engine("vlm", None, None)
 
-
-@real_vllm
-def test_a_dialogue_is_the_same_on_both_backends_when_they_share_the_sampler(tiny, engine):
-    """Greedy decoding is the one sampler the two backends share (sampled turns draw from each one's own random
-    streams): the same turns, the same inserted observations, masks and turn starts."""
-    from types import SimpleNamespace
-
-    from vineppo.agents import AgentEngine
-    from vineppo.tasks.agent import AgentSpec
-
-    class Echo:
-        deterministic = True
-
-        def reset(self, row):
-            return ""
-
-        def step(self, text):
-            return "ok", False
-
-    model, tok, _ = tiny
-    prompter = SimpleNamespace(tool_format="plain", prompt=lambda ex, extra="": None,
-                               next_turn=lambda messages, ended: f"\n{messages[-1]['content']}\n")
-    spec = AgentSpec({}, Echo, max_turns=3)
-    prompts = _prompts([5, 17, 40], seed=3)
-    params = SamplingParams(temperature=0, max_new_tokens=8)
-    examples = [SimpleNamespace(id=str(i)) for i in range(len(prompts))]
-
-    def dialogues(inner):
-        agent = AgentEngine(inner, spec, prompter, lambda ex: {}, 10.0)
-        return [[(s.token_ids, s.mask, s.turns, s.finish_reason) for s in per]
-                for per in agent.generate(prompts, 2, params, records=examples)]
-
-    native = dialogues(Engine(model, tok))
-    assert all(len(turns) == 3 and 0 in mask for per in native for _, mask, turns, _ in per)
-    assert dialogues(engine) == native
