@@ -120,7 +120,7 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
                     masks=[ep.mask for ep in trained] if any(ep.mask is not None for ep in trained) else None)
     metrics.update(loss_advantages(data, update_cfg))
     metrics["train/trained_episodes"], metrics["train/trained_tokens"] = dist.all_sum(  # the policy's tokens
-        [float(len(trained)), float(sum(len(ep.response_ids) if ep.mask is None else sum(ep.mask) for ep in trained))])
+        [float(len(trained)), float(sum(data.policy_tokens(i) for i in range(len(trained))))])
     nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
                    critic_optimizer=ctx.critic_opt)
     metrics.update({f"guard/{name}": gap for name, gap in guard.check(nets, data, update_cfg).items()})

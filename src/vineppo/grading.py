@@ -79,8 +79,8 @@ def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], text
     given = [getattr(s, "reward", None) for s in samples]
     done = [i for i, s in enumerate(samples) if s.finish_reason == "stop" and given[i] is None]
     scored = score([items[i] for i in done], [texts[i] for i in done], [token_ids[i] for i in done]) if done else []
-    out: list[float | None] = [0.0 if s.finish_reason != "stop" or given[i] is None else given[i]
-                               for i, s in enumerate(samples)]
+    out: list[float | None] = [given[i] if s.finish_reason == "stop" and given[i] is not None else 0.0
+                               for i, s in enumerate(samples)]  # the scored ones are filled in below
     for i, r in zip(done, scored):
         out[i] = r
     return out

@@ -299,7 +299,7 @@ def loss_weights(data: "Rollouts", loss_agg: str, max_new_tokens: int,
     (`--loss-agg`); with `mask_truncated`, truncated episodes weigh 0 in both (left out of the loss)."""
     agg = LOSS_AGGS[loss_agg]
     truncated = data.truncated or [False] * len(data.responses)
-    lengths = [len(r) if data.mask(i) is None else sum(data.mask(i)) for i, r in enumerate(data.responses)]
+    lengths = [data.policy_tokens(i) for i in range(len(data.responses))]
     pairs = [(0.0, 0.0) if mask_truncated and cut else agg(n, max_new_tokens) for n, cut in zip(lengths, truncated)]
     return [w for w, _ in pairs], [t for _, t in pairs]
 
@@ -411,6 +411,11 @@ class Rollouts:
     def mask(self, i: int) -> list[int] | None:
         """Response i's policy-token mask (None: every token the policy's)."""
         return self.masks[i] if self.masks is not None else None
+
+    def policy_tokens(self, i: int) -> int:
+        """How many of response i's tokens the policy wrote (what the loss counts)."""
+        mask = self.mask(i)
+        return len(self.responses[i]) if mask is None else int(sum(mask))
 
 
 @dataclass
