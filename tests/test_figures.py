@@ -186,6 +186,50 @@ def _trl_row(u: dict) -> str:
             f"**{u['vineppo_over_trl']:.2f}×** TRL ({min(runs):.2f}-{max(runs):.2f}) |")
 
 
+EXAMPLES = "results/examples/results.json"
+
+
+def _example(example: str) -> Callable[[dict], str]:
+    """An example's in-run test pass@1, release -> after 10 iterations, mean over seeds (chat template)."""
+    def render(results: dict) -> str:
+        m = {r["algo"]: r for r in results["over_seeds"] if r["example"] == example and r["prompt_format"] == "auto"}
+        return (f"{m['vineppo']['start_test_pass@1']['mean']:.3f} → {m['vineppo']['final_test_pass@1']['mean']:.3f} "
+                f"(VinePPO), {m['grpo']['final_test_pass@1']['mean']:.3f} (GRPO)")
+    return render
+
+
+def _example_row(example: str, algo: str, fmt: str) -> Callable[[dict], str]:
+    """A row of results/examples/README.md's table: mean ± sd over seeds."""
+    def render(results: dict) -> str:
+        [m] = [r for r in results["over_seeds"] if (r["example"], r["algo"], r["prompt_format"]) == (example, algo, fmt)]
+        sd = lambda k, f: f"{m[k]['mean']:{f}} ± {m[k]['std']:{f.lstrip('+')}}"  # noqa: E731
+        return (f"| {example} | {algo} | {'auto (chat)' if fmt == 'auto' else fmt} | "
+                f"{m['start_test_pass@1']['mean']:.3f} | {sd('final_test_pass@1', '.3f')} | {sd('gain', '+.3f')} | "
+                f"{sd('wall_clock_s', '.0f')} |")
+    return render
+
+
+AGENTS = ("results/agents/release-calculator-no-demo.jsonl", "results/agents/release-calculator.jsonl",
+          "results/agents/release-guess-number.jsonl")
+
+
+def _replies(rows: list[dict]) -> list[str]:
+    """Every sampled and greedy reply of a `vineppo eval` JSONL."""
+    return [t for r in rows for t in r["sample_texts"]] + [r["greedy_text"] for r in rows]
+
+
+RULES_RESTATED = "I'm thinking"  # how the released model's guess-number replies begin when it plays the other side
+
+
+def _release_row(rows: list[dict], tool: bool = True) -> str:
+    """A row of results/agents/README.md: pass@1, pass@4, greedy, replies with a call (a tool task), cut off."""
+    finishes = [f for r in rows for f in r["sample_finish"]]
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    calls = f"{sum('<calc>' in t for t in _replies(rows))} of {len(_replies(rows))}" if tool else "—"
+    return (f"| {mean('pass@1'):.3f} | {mean('pass@k'):.3f} | {mean('greedy'):.3f} | {calls} | "
+            f"{sum(f == 'length' for f in finishes)} of {len(finishes)} samples |")
+
+
 FIGURES = [
     Figure("README.md", "18.0 / 3.9 / 6.4", SFT_EVALS, _pass1),
     Figure("README.md", "47.7 / 40.6 / 38.7", FINAL_EVALS, _pass1),
@@ -212,10 +256,10 @@ FIGURES = [
     Figure("docs/results.md", "| AdamW SFT, seed 0 / 1 / 2 | 0.426 / 0.340 / 0.304 | 0.459 / 0.341 / 0.318 | "
            "**+3.3 / +0.1 / +1.4** |", CLEAN, lambda *e: f"| AdamW SFT, seed 0 / 1 / 2 | {_slash([x['pass@1'] for x in e[:3]], '.3f')} | "
            f"{_slash([x['pass@1'] for x in e[3:]], '.3f')} | **{_clean_gains(*e)}** |"),
-    Figure("docs/performance.md", "| update, tokens × epochs / s | 5,470 | bare forward + backward 6,308 | **0.87** "
-           "of the limit (0.76-0.89) |", (UPDATE,), _update_row),
-    Figure("docs/performance.md", "| GRPO iteration, completion tokens/s (sampling 0.53 s + update 1.65 s) | 2,022 | "
-           "TRL 1.16 `GRPOTrainer` 873 | **2.32×** TRL (1.98-2.82) |", (UPDATE,), _trl_row),
+    Figure("docs/performance.md", "| update, tokens × epochs / s | 6,353 | bare forward + backward 7,785 | **0.82** "
+           "of the limit (0.77-0.89) |", (UPDATE,), _update_row),
+    Figure("docs/performance.md", "| GRPO iteration, completion tokens/s (sampling 0.49 s + update 1.42 s) | 2,447 | "
+           "TRL 1.16 `GRPOTrainer` 1,258 | **1.95×** TRL (1.85-2.04) |", (UPDATE,), _trl_row),
     Figure("README.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
     Figure("README.md", "0.244 → 0.685 (GRPO) and 0.720 (VinePPO) in about 7 minutes of run", (REAL,) + F32,
            lambda real, g, v, gs, vs: f"{real['base']['strict']:.3f} → {g['pass@1']:.3f} (GRPO) and "
@@ -234,6 +278,40 @@ FIGURES = [
     Figure("docs/results.md", "48.6 ± 3.2 | 33.3 ± 1.3 | 46.9 ± 4.8 | 46.8 ± 2.5 | 55.3 ± 5.9", (CHEAP,),
            _cheap_row("pairs")),
     Figure("README.md", "`tempo` costs 1.00× a GRPO iteration and `vineppo-tree` 8.62×", (CHEAP,), _cheap_readme),
+    *(Figure(page, text, (EXAMPLES,), _example(ex)) for page in ("examples/README.md", "docs/results.md")
+      for ex, text in (("mental-math", "0.355 → 0.893 (VinePPO), 0.922 (GRPO)"),
+                       ("capitals", "0.551 → 0.762 (VinePPO), 0.735 (GRPO)"))),
+    Figure("results/README.md", "0.355 → 0.893 / 0.922", (EXAMPLES,),
+           lambda r: _example("mental-math")(r).replace(" (VinePPO), ", " / ").removesuffix(" (GRPO)")),
+    *(Figure("results/examples/README.md", text, (EXAMPLES,), _example_row(*key)) for key, text in (
+        (("mental-math", "vineppo", "auto"), "| mental-math | vineppo | auto (chat) | 0.355 | 0.893 ± 0.017 | "
+                                             "+0.539 ± 0.055 | 693 ± 27 |"),
+        (("mental-math", "grpo", "auto"), "| mental-math | grpo | auto (chat) | 0.355 | 0.922 ± 0.035 | "
+                                          "+0.568 ± 0.072 | 589 ± 16 |"),
+        (("mental-math", "vineppo", "plain"), "| mental-math | vineppo | plain | 0.000 | 0.449 ± 0.635 | "
+                                              "+0.449 ± 0.635 | 332 ± 307 |"),
+        (("mental-math", "grpo", "plain"), "| mental-math | grpo | plain | 0.000 | 0.814 ± 0.020 | +0.814 ± 0.020 | "
+                                           "446 ± 65 |"),
+        (("capitals", "vineppo", "auto"), "| capitals | vineppo | auto (chat) | 0.551 | 0.762 ± 0.042 | "
+                                          "+0.211 ± 0.046 | 424 ± 11 |"),
+        (("capitals", "grpo", "auto"), "| capitals | grpo | auto (chat) | 0.551 | 0.735 ± 0.004 | +0.185 ± 0.008 | "
+                                       "367 ± 26 |"))),
+    Figure("results/agents/README.md", "| 0.000 | 0.000 | 0.000 | 0 of 300 | 115 of 240 samples |", AGENTS[:1],
+           _release_row),
+    Figure("results/agents/README.md", "| 0.108 | 0.367 | 0.050 | 109 of 300 | 60 of 240 samples |", AGENTS[1:2],
+           _release_row),
+    Figure("results/agents/README.md", "| 0.000 | 0.000 | 0.000 | — | 256 of 256 samples |", AGENTS[2:],
+           lambda rows: _release_row(rows, tool=False)),
+    Figure("results/agents/README.md", "52 of them with the example's numbers", AGENTS[1:2],
+           lambda rows: f"{sum('<calc>12 * 34' in t for t in _replies(rows))} of them with the example's numbers"),
+    *(Figure(page, "109 of 300 replies call the tool", AGENTS[1:2],
+             lambda rows: f"{sum('<calc>' in t for t in _replies(rows))} of {len(_replies(rows))} replies call the tool")
+      for page in ("examples/calculator/README.md", "results/agents/README.md")),
+    Figure("examples/README.md", "in 109 of 300 replies once the prompt shows one call, pass@1 0.108", AGENTS[1:2],
+           lambda rows: f"in {sum('<calc>' in t for t in _replies(rows))} of {len(_replies(rows))} replies once the "
+                        f"prompt shows one call, pass@1 {sum(r['pass@1'] for r in rows) / len(rows):.3f}"),
+    Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:],
+           lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
 ]

@@ -1,5 +1,7 @@
 """Writes train.jsonl and test.jsonl of the calculator example: products of a three-digit and a two-digit number,
-too large to work out in the head of a 135M model, with their answers; drawn with a fixed seed.
+too large to work out in the head of a 135M model, with their answers; drawn with a fixed seed. Each prompt opens
+with one worked call of the tool (DEMO): without it the released SmolLM2-135M-Instruct never writes the call
+(0 of 300 replies on the test set), and with reward 0 on every sample no method can learn.
 
     python examples/calculator/make_data.py
 """
@@ -9,6 +11,8 @@ import random
 from pathlib import Path
 
 HERE = Path(__file__).parent
+DEMO = ("Use the calculator tool for the multiplication. For example, for 12 * 34 you write <calc>12 * 34</calc>, "
+        "read <result>408</result> and answer 408. ")
 
 
 def rows(n: int, rng: random.Random) -> list[dict]:
@@ -16,7 +20,7 @@ def rows(n: int, rng: random.Random) -> list[dict]:
     out = []
     for _ in range(n):
         a, b = rng.randint(100, 999), rng.randint(11, 99)
-        out.append({"prompt": f"What is {a} * {b}?", "answer": str(a * b)})
+        out.append({"prompt": f"{DEMO}What is {a} * {b}?", "answer": str(a * b)})
     return out
 
 
