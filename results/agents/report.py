@@ -1,0 +1,120 @@
+"""The agents study's figures (PROTOCOL.md): the released model's evaluation, H1 and H2 with their verdicts, and
+a plot per task.
+
+    python results/agents/report.py --runs $SCRATCH/agents --out results/agents
+
+Copies each run's metrics.jsonl, summary.json and config.yaml to OUT/runs/<task>/<run>/ and each release
+evaluation's JSON to OUT/release-<task>.json, and writes OUT/study.json and OUT/<task>.png (test pass@1 against
+training seconds: each method's mean over seeds, its range shaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+
+TASKS = ("calculator",)
+RUNS = ("iterations-grpo", "iterations-vineppo", "seconds-vineppo")
+PHASES = ("sampling", "credit", "update")
+
+
+def mean_se(xs: list[float]) -> dict:
+    """Mean, standard error (sample sd / sqrt n; None for one value) and the values."""
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
+    return {"mean": statistics.mean(xs), "se": se, "values": xs}
+
+
+def verdict(d: dict) -> str:
+    """The protocol's rule: a mean more than 2 standard errors from 0."""
+    return "shown" if d["se"] is not None and abs(d["mean"]) > 2 * d["se"] else "not shown"
+
+
+def load(folder: Path) -> dict:
+    """A run's evaluations (iteration, training seconds, test pass@1), per-iteration agent counts, its summary."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    its = [r for r in rows if "train/reward" in r]
+    return {"evals": [(r["iteration"], r.get("time/train_s", 0.0), r["test/pass@1"]) for r in rows
+                      if "test/pass@1" in r],
+            "agent": {k: statistics.mean(r.get(k, 0.0) for r in its) for k in ("agent/turns", "agent/tool_calls")},
+            "phase_s": {p: statistics.median(r.get(f"time/{p}_s", 0.0) for r in its) for p in PHASES},
+            "summary": json.loads((folder / "summary.json").read_text())}
+
+
+def task_result(root: Path, task: str, out: Path) -> dict | None:
+    """H1 and H2 on one task, from the runs every seed finished (None when no seed finished all three)."""
+    found = {run: {int(p.name.rsplit("-s", 1)[1]): p for p in root.glob(f"{run}-s*") if (p / "summary.json").exists()}
+             for run in RUNS}
+    seeds = sorted(set.intersection(*(set(f) for f in found.values())))
+    if not seeds:
+        return None
+    data = {run: {s: load(found[run][s]) for s in seeds} for run in RUNS}
+    for run in RUNS:
+        for s in seeds:
+            dest = out / "runs" / task / found[run][s].name
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "summary.json", "config.yaml"):
+                shutil.copy(found[run][s] / name, dest / name)
+    final = {run: [data[run][s]["summary"]["final_test_pass@1"] for s in seeds] for run in RUNS}
+    h1 = mean_se([v - g for v, g in zip(final["iterations-vineppo"], final["iterations-grpo"])])
+    h2 = mean_se([v - g for v, g in zip(final["seconds-vineppo"], final["iterations-grpo"])])
+    plot(task, data, out / f"{task}.png")
+    return {"seeds": seeds, "start_test_pass@1": mean_se([data[RUNS[0]][s]["evals"][0][2] for s in seeds]),
+            "final_pass@1": {run: mean_se(final[run]) for run in RUNS},
+            "iterations": {run: [data[run][s]["summary"]["iterations"] for s in seeds] for run in RUNS},
+            "train_s": {run: [round(data[run][s]["summary"]["train_s"], 1) for s in seeds] for run in RUNS},
+            "per_iteration": {run: {k: statistics.mean(data[run][s]["agent"][k] for s in seeds)
+                                    for k in ("agent/turns", "agent/tool_calls")} for run in RUNS},
+            "median_phase_s": {run: {p: statistics.median(data[run][s]["phase_s"][p] for s in seeds) for p in PHASES}
+                               for run in RUNS},
+            "h1_vineppo_minus_grpo": {**h1, "verdict": verdict(h1)},
+            "h2_vineppo_minus_grpo": {**h2, "verdict": verdict(h2)}}
+
+
+def plot(task: str, data: dict, path: Path) -> None:
+    """Test pass@1 against training seconds: each run kind's mean over seeds at its evaluations, the range shaded."""
+    import matplotlib  # only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for run, runs in data.items():
+        n = min(len(r["evals"]) for r in runs.values())
+        xs = [statistics.mean(r["evals"][k][1] for r in runs.values()) for k in range(n)]
+        ys = [[r["evals"][k][2] for r in runs.values()] for k in range(n)]
+        ax.plot(xs, [statistics.mean(y) for y in ys], marker="o", ms=3, label=run)
+        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15)
+    ax.set(xlabel="training seconds (sampling, credit, update)", ylabel="test pass@1",
+           title=f"{task}: test pass@1 against seconds (mean of {len(next(iter(data.values())))} seeds, range)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent)
+    args = ap.parse_args()
+    study = {}
+    for task in TASKS:
+        release = args.runs / task / "release.json"
+        if release.exists():
+            shutil.copy(release, args.out / f"release-{task}.json")
+            scores = json.loads(release.read_text())
+            study.setdefault(task, {})["release"] = {k: scores[k] for k in ("pass@1", "pass@k", "greedy", "reward")}
+        result = task_result(args.runs / task, task, args.out)
+        if result is not None:
+            study.setdefault(task, {}).update(result)
+    (args.out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    print(json.dumps(study, indent=1))
+
+
+if __name__ == "__main__":
+    main()
