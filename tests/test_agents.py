@@ -14,7 +14,7 @@ from vineppo.agents import AgentEngine, for_task
 from vineppo.credit import CreditContext, get_estimator
 from vineppo.engine import Request, Sample, SamplingParams
 from vineppo.errors import RewardError, UserError
-from vineppo.ppo import Surrogate, pack, policy_loss
+from vineppo.ppo import Surrogate, pack, policy_loss, token_logprobs
 from vineppo.tasks import Example
 from vineppo.tasks.agent import AgentSpec, Markup, load_env, load_tools, tool_of
 from vineppo.trainer import _episode
@@ -287,6 +287,20 @@ def test_inserted_tokens_get_no_loss_and_no_kl():
         t[0, 2:4] = v
     assert torch.equal(grad(adv, old, ref), grad(*planted))
     assert grad(adv, old, ref)[0, 2:4].tolist() == [0.0, 0.0]
+
+
+def test_inserted_tokens_are_attended_to_when_the_update_shares_prompts():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    prompts, responses = [[5, 6, 7], [5, 6, 7]], [[8, 9, 10, 11, 12, 13], [8, 14, 15]]
+    masks = [[1, 1, 0, 0, 1, 1], None]  # tokens 2 and 3 of the first response a tool's: out of the loss, in context
+    with torch.no_grad():
+        alone, _ = token_logprobs(model, pack(prompts, responses, 0, masks=masks), 1.0)
+        shared, _ = token_logprobs(model, pack(prompts, responses, 0, share=True, masks=masks), 1.0)
+    assert torch.allclose(shared[0], alone[0], atol=1e-5) and torch.allclose(shared[1, :3], alone[1, :3], atol=1e-5)
 
 
 def test_tools_and_environments_are_settings_of_a_custom_task_of_the_ppo_family():

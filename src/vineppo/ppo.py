@@ -216,7 +216,8 @@ def _shared_prompt_pass(model: nn.Module, batch: Packed, **kwargs) -> tuple[torc
     shared = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         shared.update(layer.keys[sp.rows], layer.values[sp.rows], i)
-    attention = torch.cat([sp.attention_mask[sp.rows], batch.mask.long()], 1)
+    # the responses' own attention, not the loss mask: a dialogue's inserted tokens are attended to, not trained
+    attention = torch.cat([sp.attention_mask[sp.rows], batch.attention_mask[:, -R:]], 1)
     positions = sp.attention_mask.sum(1)[sp.rows, None] + torch.arange(R, device=attention.device)
     body_kw = dict(input_ids=batch.input_ids[:, -R:], attention_mask=attention, position_ids=positions, use_cache=True,
                    **{kw: shared})
