@@ -4,6 +4,7 @@ one line or a message back to the model, counted. A scripted engine writes the p
 
 import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from vineppo.agents import AgentEngine, for_task
 from vineppo.credit import CreditContext, get_estimator
 from vineppo.engine import Request, Sample, SamplingParams
 from vineppo.errors import RewardError, UserError
-from vineppo.ppo import Surrogate, pack, policy_loss, token_logprobs
+from vineppo.ppo import Surrogate, micro_batches, pack, policy_loss, token_logprobs
 from vineppo.tasks import Example
 from vineppo.tasks.agent import AgentSpec, Markup, load_env, load_tools, tool_of
 from vineppo.trainer import _episode
@@ -386,3 +387,18 @@ def test_tools_load_from_a_file_by_name_and_a_list_setting_cut_at_commas_keeps_t
                                                 "tools": [spec]}).tools)) == ["add", "plus"]
     with pytest.raises(UserError, match="has no function 'minus'"):
         load_tools([f"{tmp_path / 't.py'}:minus"])
+
+
+@pytest.mark.parametrize("source", ["examples/calculator/train.yaml", "examples/guess-number/train.yaml", "custom-cpu"])
+def test_dialogue_settings_on_a_cpu_cut_the_updates_passes_by_tokens(source):
+    """A dialogue is long (the prompt, three turns, tool results): 32 of them in one forward/backward pass took the
+    calculator example's process to 18 GB and past 24 GB (killed) by its seventh update. These settings cut the
+    update's passes at a token count, so a pass's memory has a bound whatever the dialogues' lengths."""
+    root = Path(__file__).resolve().parents[1]
+    cfg = (configs.load(root / source) if source.endswith(".yaml") else
+           configs.resolve(configs.load_preset(source), {"model": "m", "reward": ["r.py:f"]}))
+    assert 0 < cfg.micro_batch_tokens <= 4096
+    longest = cfg.max_new_tokens * max(cfg.max_turns, 1) * 2  # the model's turns and as many inserted tokens
+    prompts, responses = [[1] * 300] * 64, [[1] * (longest - i) for i in range(64)]
+    passes = micro_batches(list(range(64)), prompts, cfg.micro_batch, responses, cfg.micro_batch_tokens)
+    assert all(len(p) * (300 + max(len(responses[i]) for i in p)) <= cfg.micro_batch_tokens for p in passes)
