@@ -49,6 +49,8 @@ class Script:
         out = []
         for i, (seq, (b,)) in enumerate(zip(req.sequences, req.boundaries)):
             text = self.turn(TOK.decode(seq[:b]))
+            cuts = [text.find(s) + len(s) for s in req.params.stop if s in text]
+            text = text[: min(cuts)] if cuts else text  # as a real engine: the turn ends at a stop string
             ended = "length" if len(text) > req.budgets[i][0] else "stop"
             ids = TOK(text[: req.budgets[i][0]])["input_ids"] + ([EOS] if ended == "stop" and not any(
                 text.endswith(s) for s in req.params.stop) else [])
@@ -190,6 +192,18 @@ def test_an_environment_answers_turns_and_gives_the_reward():
     assert TOK.decode(s.prompt_ids) == "Q:\nGuess my number."  # reset's first observation joins the prompt
     assert [m["content"] for m in s.messages] == ["I guess 5.", "higher", "I guess 6.", "higher", "I guess 7."]
     assert s.reward == 1.0 and s.finish_reason == "stop" and len(s.turns) == 3
+
+
+def test_an_environments_stop_strings_end_the_models_turn():
+    class OneLine(Guess):
+        stop = ("\n",)  # a move is one line: what the model writes after it is not its move
+
+    engine = _engine(lambda text: _guesser(text) + "\nhigher\nI guess 9.", tools=(), env=OneLine)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    assert [m["content"] for m in s.messages] == ["I guess 5.\n", "higher", "I guess 6.\n", "higher", "I guess 7.\n"]
+    assert s.reward == 1.0
+    with pytest.raises(UserError, match="`stop` must be a tuple of non-empty strings"):
+        load_env(type("Bare", (Guess,), {"stop": "\n"}))
 
 
 def test_a_continuation_from_a_turn_replays_the_dialogue_and_calls_the_tools_again():

@@ -16,8 +16,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from test_engine import _chi2_gof, _nucleus, _prompts, char_tokenizer
 from vineppo import cli
 from vineppo import config as configs
+from vineppo.agents import AgentEngine
 from vineppo.engine import Engine, Request, SamplingParams, make_engine
 from vineppo.errors import UserError
+from vineppo.tasks import Example
+from vineppo.tasks.agent import AgentSpec, Markup, load_tools
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -87,6 +90,63 @@ def test_greedy_equals_the_native_engine(tiny, engine):
     want = native.continuations(Request(seqs, bounds, 2, params, budgets=budgets))
     assert _dump(engine.continuations(Request(seqs, bounds, 2, params, budgets=budgets))) == _dump(want)
     assert any(len(s.token_ids) == 3 for r in want for x in r for s in x)  # a budget cut something
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+class Nudge:
+    """An environment that answers every turn with the same line and never ends the game."""
+
+    deterministic = True
+
+    def reset(self, row: dict) -> str:
+        return ""
+
+    def step(self, text: str):
+        return "go on", False
+
+
+class LinePrompter:
+    """The plain format's prompter: an observation goes in on its own line."""
+
+    tool_format = "plain"
+
+    def next_turn(self, messages: list[dict], ended_with: str) -> str:
+        return f"\n{messages[-1]['content']}\n"
+
+
+@real_vllm
+def test_greedy_dialogues_equal_the_native_engines(tiny, engine):
+    """Multi-turn under the agent engine: both backends give the same turns, tool and environment answers, masks and
+    finishes (greedy; sampled dialogues differ, as sampled responses do: each backend draws its own random numbers)."""
+    model, tok, _ = tiny
+    prompts = _prompts([5, 17, 2, 40], seed=3)
+    first = Engine(model, tok).generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=24))
+    one, two = sorted((r[0].text for r in first), key=len)[-2:]
+    close = one[4:6]  # a call's close that a greedy turn writes: the turn ends as a (bad) tool call
+    stop = two[2:4]  # a stop string another one writes: the turn ends and the environment answers
+    spec = AgentSpec(load_tools([add]), Nudge, 3, 60, "plain", Markup("((", close, "#(", ")#"))
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop=(stop,))
+    records = [Example(f"row-{i}", "", "", "") for i in range(len(prompts))]
+
+    def dialogues(inner):
+        agent = AgentEngine(inner, spec, LinePrompter(), lambda ex: {}, 5.0)
+        out = agent.generate(prompts, 2, params, records=records)
+        return [[(s.token_ids, s.mask, s.turns, s.finish_reason) for s in r] for r in out], agent.take_stats()
+
+    want, counts = dialogues(Engine(model, tok))
+    got, got_counts = dialogues(engine)
+    assert got == want and got_counts == counts
+    assert any(len(turns) > 1 for r in want for _, _, turns, _ in r), "no dialogue reached a second turn"
+    assert counts.get("agent/bad_calls", 0) > 0 and any(0 in mask for r in want for _, mask, _, _ in r)
 
 
 @real_vllm

@@ -27,7 +27,7 @@ from vineppo.agents.dialogue import Dialogue, Record
 from vineppo.engine.api import Request, Sample, SamplingParams
 from vineppo.errors import RewardError, UserError
 from vineppo.rewards import one_line
-from vineppo.tasks.agent import AgentSpec, resumable
+from vineppo.tasks.agent import AgentSpec, env_stop, resumable
 
 WORKERS = 8  # threads for tool calls and environment steps: the calls of a round run in parallel
 
@@ -112,7 +112,8 @@ class AgentEngine:
 
     def _run(self, dialogues: list[Dialogue], params: SamplingParams, generator, progress) -> None:
         """Advance the dialogues round by round until each has stopped or hit a limit."""
-        stop = tuple(params.stop) + ((self.spec.markup.call_close,) if self.spec.tools else ())
+        call = (self.spec.markup.call_close,) if self.spec.tools else ()
+        stop = tuple(params.stop) + call + env_stop(self.spec.env)
         turn = dataclasses.replace(params, stop=stop)
         cap = self.spec.max_total_tokens or params.max_new_tokens * self.spec.max_turns
         while live := [d for d in dialogues if d.finish is None]:

@@ -13,7 +13,8 @@ argument takes a call that is not JSON as that argument written out (`<calc>347 
 appended to the prompt; "" for none), then `step(text) -> (observation, done)` or `(observation, done, reward)`
 for each of the model's turns. VinePPO's continuations from a turn need the environment as it was there: a class
 either says `deterministic = True` (rebuilt from its row and replayed with the dialogue's earlier turns) or has a
-`copy()` that snapshots an instance.
+`copy()` that snapshots an instance. A class attribute `stop` (a tuple of strings, e.g. `("\n",)` for a game whose
+moves are one line) ends the model's turn where it writes one of them, besides its end-of-turn token.
 """
 
 from __future__ import annotations
@@ -161,7 +162,15 @@ def load_env(spec: Any) -> type:
         fn = getattr(cls, method, None)
         if not callable(fn) or len(inspect.signature(fn).parameters) < args + 1:
             raise UserError(f"{where}: an environment needs {method}(self, {'row' if method == 'reset' else 'text'})")
+    stop = getattr(cls, "stop", ())
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+        raise UserError(f"{where}: `stop` must be a tuple of non-empty strings that end the model's turn, got {stop!r}")
     return cls
+
+
+def env_stop(env: type | None) -> tuple[str, ...]:
+    """The strings that end the model's turn in a dialogue with `env` (its `stop` attribute), besides EOS."""
+    return tuple(getattr(env, "stop", ())) if env is not None else ()
 
 
 def resumable(env: type | None) -> bool:
