@@ -239,8 +239,9 @@ FIGURES = [
     Figure("README.md", "+3.3 / +0.1 / +1.4", CLEAN, _clean_gains),
     Figure("README.md", "VinePPO 47.1 ± 2.5, Dr. GRPO 46.4 ± 1.7, GRPO 46.2 ± 1.9, DPO+ 45.9, GRPO-TRL 44.9, "
            "RLOO 44.1, PPO 42.8, RestEM 39.3", (COMPARE,), _ranking),
-    Figure("README.md", "0.244 → 0.61-0.73 (GRPO) and 0.61-0.81 (VinePPO)", (REAL,), _real),
-    Figure("README.md", "12-22 minutes per run", (REAL,), _real_minutes),
+    Figure("results/README.md", "0.61-0.73 (GRPO), 0.61-0.81 (VinePPO)", (REAL,),
+           lambda r: _real(r).split(" → ")[1].replace(" (GRPO) and ", " (GRPO), ")),
+    Figure("results/README.md", "12-22 minutes per run", (REAL,), _real_minutes),
     Figure("README.md", "138 s, 0.158 → 0.461 in-run", (FRESH,), _fresh),
     Figure("docs/performance.md", "138 s on an idle 2-core CPU from a fresh clone (40 iterations plus the evaluations "
            "and start-up; 115 s of training), test pass@1 0.158 → 0.461", (FRESH,),
@@ -260,7 +261,7 @@ FIGURES = [
            "of the limit (0.77-0.89) |", (UPDATE,), _update_row),
     Figure("docs/performance.md", "| GRPO iteration, completion tokens/s (sampling 0.49 s + update 1.42 s) | 2,447 | "
            "TRL 1.16 `GRPOTrainer` 1,258 | **1.95×** TRL (1.85-2.04) |", (UPDATE,), _trl_row),
-    Figure("README.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
+    Figure("docs/models-and-gpus.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
     Figure("README.md", "0.244 → 0.685 (GRPO) and 0.720 (VinePPO) in about 7 minutes of run", (REAL,) + F32,
            lambda real, g, v, gs, vs: f"{real['base']['strict']:.3f} → {g['pass@1']:.3f} (GRPO) and "
                                       f"{v['pass@1']:.3f} (VinePPO) in about "
