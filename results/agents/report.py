@@ -1,5 +1,5 @@
-"""The agents study's figures (PROTOCOL.md): the released model's evaluation, H1 and H2 with their verdicts, and
-a plot per task.
+"""The agents studies' figures (PROTOCOL.md, PROTOCOL-guess-number.md): the released model's evaluation, H1 and H2
+with their verdicts (each over the seeds that finished both of its runs), and a plot per task.
 
     python results/agents/report.py --runs $SCRATCH/agents --out results/agents
 
@@ -17,9 +17,10 @@ import shutil
 import statistics
 from pathlib import Path
 
-TASKS = ("calculator",)
+TASKS = ("calculator", "guess-number")
 RUNS = ("iterations-grpo", "iterations-vineppo", "seconds-vineppo")
 PHASES = ("sampling", "credit", "update")
+COUNTS = ("agent/turns", "agent/tool_calls", "agent/cut_off")  # per iteration, the means reported
 
 
 def mean_se(xs: list[float]) -> dict:
@@ -39,39 +40,48 @@ def load(folder: Path) -> dict:
     its = [r for r in rows if "train/reward" in r]
     return {"evals": [(r["iteration"], r.get("time/train_s", 0.0), r["test/pass@1"]) for r in rows
                       if "test/pass@1" in r],
-            "agent": {k: statistics.mean(r.get(k, 0.0) for r in its) for k in ("agent/turns", "agent/tool_calls")},
+            "agent": {k: statistics.mean(r.get(k, 0.0) for r in its) for k in COUNTS},
             "phase_s": {p: statistics.median(r.get(f"time/{p}_s", 0.0) for r in its) for p in PHASES},
             "summary": json.loads((folder / "summary.json").read_text())}
 
 
-def task_result(root: Path, task: str, out: Path) -> dict | None:
-    """H1 and H2 on one task, from the runs every seed finished (None when no seed finished all three)."""
-    found = {run: {int(p.name.rsplit("-s", 1)[1]): p for p in root.glob(f"{run}-s*") if (p / "summary.json").exists()}
-             for run in RUNS}
-    seeds = sorted(set.intersection(*(set(f) for f in found.values())))
+def paired(final: dict, a: str, b: str) -> dict | None:
+    """a − b per seed over the seeds both finished, mean ± SE, the seeds and the verdict (None: no seed)."""
+    seeds = sorted(set(final.get(a, {})) & set(final.get(b, {})))
     if not seeds:
         return None
-    data = {run: {s: load(found[run][s]) for s in seeds} for run in RUNS}
-    for run in RUNS:
-        for s in seeds:
-            dest = out / "runs" / task / found[run][s].name
+    d = mean_se([final[a][s] - final[b][s] for s in seeds])
+    return {**d, "seeds": seeds, "verdict": verdict(d)}
+
+
+def task_result(root: Path, task: str, out: Path) -> dict | None:
+    """H1 and H2 on one task, each from the seeds that finished its two runs (None when no run finished)."""
+    found = {run: {int(p.name.rsplit("-s", 1)[1]): p for p in sorted(root.glob(f"{run}-s*"))
+                   if (p / "summary.json").exists()} for run in RUNS}
+    found = {run: seeds for run, seeds in found.items() if seeds}
+    if not found:
+        return None
+    data = {run: {s: load(p) for s, p in seeds.items()} for run, seeds in found.items()}
+    for seeds in found.values():
+        for p in seeds.values():
+            dest = out / "runs" / task / p.name
             dest.mkdir(parents=True, exist_ok=True)
             for name in ("metrics.jsonl", "summary.json", "config.yaml"):
-                shutil.copy(found[run][s] / name, dest / name)
-    final = {run: [data[run][s]["summary"]["final_test_pass@1"] for s in seeds] for run in RUNS}
-    h1 = mean_se([v - g for v, g in zip(final["iterations-vineppo"], final["iterations-grpo"])])
-    h2 = mean_se([v - g for v, g in zip(final["seconds-vineppo"], final["iterations-grpo"])])
+                shutil.copy(p / name, dest / name)
+    final = {run: {s: d["summary"]["final_test_pass@1"] for s, d in runs.items()} for run, runs in data.items()}
+    per = lambda f: {run: f(runs) for run, runs in data.items()}  # noqa: E731 - one figure per run kind
     plot(task, data, out / f"{task}.png")
-    return {"seeds": seeds, "start_test_pass@1": mean_se([data[RUNS[0]][s]["evals"][0][2] for s in seeds]),
-            "final_pass@1": {run: mean_se(final[run]) for run in RUNS},
-            "iterations": {run: [data[run][s]["summary"]["iterations"] for s in seeds] for run in RUNS},
-            "train_s": {run: [round(data[run][s]["summary"]["train_s"], 1) for s in seeds] for run in RUNS},
-            "per_iteration": {run: {k: statistics.mean(data[run][s]["agent"][k] for s in seeds)
-                                    for k in ("agent/turns", "agent/tool_calls")} for run in RUNS},
-            "median_phase_s": {run: {p: statistics.median(data[run][s]["phase_s"][p] for s in seeds) for p in PHASES}
-                               for run in RUNS},
-            "h1_vineppo_minus_grpo": {**h1, "verdict": verdict(h1)},
-            "h2_vineppo_minus_grpo": {**h2, "verdict": verdict(h2)}}
+    first = next(iter(data.values()))
+    return {"seeds": per(sorted), "start_test_pass@1": mean_se([d["evals"][0][2] for d in first.values()]),
+            "final_pass@1": per(lambda runs: mean_se([d["summary"]["final_test_pass@1"] for d in runs.values()])),
+            "iterations": per(lambda runs: [d["summary"]["iterations"] for d in runs.values()]),
+            "train_s": per(lambda runs: [round(d["summary"]["train_s"], 1) for d in runs.values()]),
+            "per_iteration": per(lambda runs: {k: statistics.mean(d["agent"][k] for d in runs.values())
+                                               for k in COUNTS}),
+            "median_phase_s": per(lambda runs: {p: statistics.median(d["phase_s"][p] for d in runs.values())
+                                                for p in PHASES}),
+            "h1_vineppo_minus_grpo": paired(final, "iterations-vineppo", "iterations-grpo"),
+            "h2_vineppo_minus_grpo": paired(final, "seconds-vineppo", "iterations-grpo")}
 
 
 def plot(task: str, data: dict, path: Path) -> None:

@@ -1,9 +1,9 @@
-"""The runs of the agents study (PROTOCOL.md): the released model's evaluation, then GRPO and VinePPO over turns
-at equal iterations and at equal seconds, on the calculator example, one process at a time on 2 threads. Finished runs
-(summary.json; an evaluation's JSON) are kept, so a stopped study continues where it stopped; a run's checkpoint
-is removed after it (the study reads its metrics).
+"""The runs of the agents studies (PROTOCOL.md: calculator; PROTOCOL-guess-number.md): the released model's
+evaluation, then GRPO and VinePPO over turns at equal iterations and at equal seconds, on one agent example, one
+process at a time on 2 threads. Finished runs (summary.json; an evaluation's JSON) are kept, so a stopped study
+continues where it stopped; a run's checkpoint is removed after it (the study reads its metrics).
 
-    python results/agents/run.py --scratch $SCRATCH [--seeds 0,1,2]
+    python results/agents/run.py --scratch $SCRATCH [--tasks calculator|guess-number] [--seeds 0,1,2]
     python results/agents/run.py --scratch $SCRATCH --dry      # print the commands only
 
 Phases, in order: `release` (`vineppo eval` of the released model, the README's command), `iterations` (each
@@ -23,11 +23,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-TASKS = ("calculator",)  # guess-number is not in the study: the released model does not play it (PROTOCOL.md)
+TASKS = ("calculator", "guess-number")  # each with its protocol: PROTOCOL.md, PROTOCOL-guess-number.md
 EVAL = {  # the examples' READMEs' `vineppo eval` flags, beside --task custom --data test.jsonl --model
     "calculator": ["--reward", "examples/calculator/rewards.py:final_answer", "--tools",
                    "examples/calculator/tools.py:calculate", "--tool-markup", "<calc>|</calc>|<result>|</result>",
                    "--max-turns", "3", "--samples", "4", "--max-new-tokens", "48"],
+    "guess-number": ["--env", "examples/guess-number/game.py:GuessNumber", "--max-turns", "3", "--samples", "4",
+                     "--max-new-tokens", "16"],
 }
 
 
@@ -62,7 +64,7 @@ def budget(root: Path, seeds: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scratch", required=True, type=Path)
-    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--tasks", default=TASKS[0], help=f"comma-separated, of {', '.join(TASKS)}")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args()
