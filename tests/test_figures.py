@@ -210,7 +210,7 @@ def _example_row(example: str, algo: str, fmt: str) -> Callable[[dict], str]:
 
 
 AGENTS = ("results/agents/release-calculator-no-demo.jsonl", "results/agents/release-calculator.jsonl",
-          "results/agents/release-guess-number.jsonl")
+          "results/agents/release-guess-number-rules-only.jsonl", "results/agents/release-guess-number.jsonl")
 
 
 def _replies(rows: list[dict]) -> list[str]:
@@ -219,6 +219,29 @@ def _replies(rows: list[dict]) -> list[str]:
 
 
 RULES_RESTATED = "I'm thinking"  # how the released model's guess-number replies begin when it plays the other side
+
+
+def _moves(rows: list[dict]) -> dict[str, int]:
+    """The guesses that follow a "Higher." or "Lower." in the game's replies: the right way, the same number, the
+    wrong way (a turn's guess is its last number), their total and the replies read."""
+    n = {"right": 0, "same": 0, "wrong": 0}
+    for text in _replies(rows):
+        first = re.findall(r"\d+", text.split("\n")[0])
+        prev = int(first[-1]) if first else None
+        answers = re.findall(r"\n(Higher\.|Lower\.|Reply with one number from 1 to 8\.)\nassistant\n([^\n]*)", text)
+        for said, turn in answers:
+            numbers = re.findall(r"\d+", turn)
+            guess = int(numbers[-1]) if numbers else None
+            if said != "Reply with one number from 1 to 8." and None not in (prev, guess):
+                n["same" if guess == prev else "right" if (guess > prev) == (said == "Higher.") else "wrong"] += 1
+            prev = guess
+    return {**n, "total": sum(n.values()), "replies": len(_replies(rows))}
+
+
+def _scores(rows: list[dict], text: str) -> str:
+    """`text` with {pass1}, {pass4}, {greedy}: an evaluation's means over its problems."""
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    return text.format(pass1=f"{mean('pass@1'):.3f}", pass4=f"{mean('pass@k'):.3f}", greedy=f"{mean('greedy'):.3f}")
 
 
 def _release_row(rows: list[dict], tool: bool = True) -> str:
@@ -301,8 +324,9 @@ FIGURES = [
            _release_row),
     Figure("results/agents/README.md", "| 0.108 | 0.367 | 0.050 | 109 of 300 | 60 of 240 samples |", AGENTS[1:2],
            _release_row),
-    Figure("results/agents/README.md", "| 0.000 | 0.000 | 0.000 | — | 256 of 256 samples |", AGENTS[2:],
-           lambda rows: _release_row(rows, tool=False)),
+    *(Figure("results/agents/README.md", text, AGENTS[i:i + 1], lambda rows: _release_row(rows, tool=False))
+      for i, text in ((2, "| 0.000 | 0.000 | 0.000 | — | 256 of 256 samples |"),
+                      (3, "| 0.336 | 0.609 | 0.391 | — | 170 of 256 samples |"))),
     Figure("results/agents/README.md", "52 of them with the example's numbers", AGENTS[1:2],
            lambda rows: f"{sum('<calc>12 * 34' in t for t in _replies(rows))} of them with the example's numbers"),
     *(Figure(page, "109 of 300 replies call the tool", AGENTS[1:2],
@@ -311,7 +335,25 @@ FIGURES = [
     Figure("examples/README.md", "in 109 of 300 replies once the prompt shows one call, pass@1 0.108", AGENTS[1:2],
            lambda rows: f"in {sum('<calc>' in t for t in _replies(rows))} of {len(_replies(rows))} replies once the "
                         f"prompt shows one call, pass@1 {sum(r['pass@1'] for r in rows) / len(rows):.3f}"),
-    Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:],
+    *(Figure(page, text.format(pass1="0.108", pass4="0.367"), AGENTS[1:2], lambda rows, t=text: _scores(rows, t))
+      for page, text in (("docs/results.md", "| {pass1} | {pass4} | whether it calls the tool"),
+                         ("README.md", "(pass@1 {pass1} before training)"))),
+    *(Figure(page, text.format(pass1="0.336", pass4="0.609", greedy="0.391"), AGENTS[3:],
+             lambda rows, t=text: _scores(rows, t))
+      for page, text in (("docs/results.md", "| {pass1} | {pass4} | whether a guess uses the answer"),
+                         ("README.md", "[`guess-number/`](examples/guess-number/README.md) ({pass1})"),
+                         ("examples/README.md", "the released model plays: pass@1 {pass1}"),
+                         ("results/README.md", "pass@1 {pass1} (pass@4 {pass4})"),
+                         ("examples/guess-number/README.md", "pass@1 {pass1} (pass@4 {pass4}, greedy {greedy})"))),
+    *(Figure(page, text.format(total=497, right=289, same=180, wrong=28, replies=320), AGENTS[3:],
+             lambda rows, t=text: t.format(**_moves(rows)))
+      for page, text in (("docs/results.md", "{right} of {total} move the right way, {same} repeat"),
+                         ("examples/guess-number/README.md", "{right} of {total} move the way the answer says and "
+                                                             "{same} repeat"),
+                         ("results/agents/README.md", "of the {total} guesses that follow a \"Higher.\" or \"Lower.\" "
+                          "in the {replies} replies, {right} move the right way, {same} repeat the number just "
+                          "guessed and {wrong} move the wrong way"))),
+    Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:3],
            lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
