@@ -238,6 +238,27 @@ def _moves(rows: list[dict]) -> dict[str, int]:
     return {**n, "total": sum(n.values()), "replies": len(_replies(rows))}
 
 
+AGENT_STUDY = "results/agents/study.json"
+AGENT_RUNS = tuple(f"results/agents/runs/calculator/iterations-{m}-s0/metrics.jsonl" for m in ("grpo", "vineppo"))
+
+
+def _study_row(name: str, method: str) -> Callable[..., str]:
+    """A row of results/agents/README.md's seed-0 table: the evaluations, seconds, agent counts and phase medians."""
+    def render(study: dict, rows: list[dict]) -> str:
+        c, run = study["calculator"], f"iterations-{method}"
+        tests = " → ".join(f"{r['test/pass@1']:.3f}" for r in rows if "test/pass@1" in r)
+        counts = ", ".join(f"{c['per_iteration'][run][k]:.1f}" for k in ("agent/turns", "agent/tool_calls",
+                                                                           "agent/cut_off"))
+        phases = ", ".join(f"{c['median_phase_s'][run][k]:.1f}" for k in ("sampling", "credit", "update"))
+        return f"| {name} | {tests} | {c['train_s'][run][0]:.0f} | {counts} | {phases} |"
+    return render
+
+
+def _seconds(study: dict, method: str) -> float:
+    """The calculator study's seed-0 training seconds of `method` at equal iterations."""
+    return study["calculator"]["train_s"][f"iterations-{method}"][0]
+
+
 def _scores(rows: list[dict], text: str) -> str:
     """`text` with {pass1}, {pass4}, {greedy}: an evaluation's means over its problems."""
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
@@ -353,6 +374,28 @@ FIGURES = [
                          ("results/agents/README.md", "of the {total} guesses that follow a \"Higher.\" or \"Lower.\" "
                           "in the {replies} replies, {right} move the right way, {same} repeat the number just "
                           "guessed and {wrong} move the wrong way"))),
+    *(Figure("results/agents/README.md", text, (AGENT_STUDY, run), _study_row(name, method))
+      for name, method, run, text in (
+          ("GRPO", "grpo", AGENT_RUNS[0],
+           "| GRPO | 0.108 → 0.950 → 0.983 | 849 | 114.1, 50.7, 13.4 | 29.1, 0.0, 55.6 |"),
+          ("VinePPO", "vineppo", AGENT_RUNS[1],
+           "| VinePPO | 0.108 → 0.921 → 0.992 | 1262 | 110.1, 46.5, 17.3 | 30.3, 38.2, 51.8 |"))),
+    *(Figure(page, "VinePPO − GRPO = +0.008", (AGENT_STUDY,),
+             lambda study: f"VinePPO − GRPO = {study['calculator']['h1_vineppo_minus_grpo']['mean']:+.3f}")
+      for page in ("results/agents/README.md", "docs/results.md")),
+    Figure("results/agents/README.md", "1.49× GRPO's training seconds here (1262 against 849)", (AGENT_STUDY,),
+           lambda study: "{:.2f}× GRPO's training seconds here ({:.0f} against {:.0f})".format(
+               _seconds(study, "vineppo") / _seconds(study, "grpo"), _seconds(study, "vineppo"),
+               _seconds(study, "grpo"))),
+    Figure("docs/results.md", "took 1.49× GRPO's training seconds", (AGENT_STUDY,),
+           lambda study: f"took {_seconds(study, 'vineppo') / _seconds(study, 'grpo'):.2f}× GRPO's training seconds"),
+    Figure("docs/results.md", "(GRPO 0.983, VinePPO 0.992)", (AGENT_STUDY,),
+           lambda study: "(GRPO {:.3f}, VinePPO {:.3f})".format(
+               *(study["calculator"]["final_pass@1"][f"iterations-{m}"]["mean"] for m in ("grpo", "vineppo")))),
+    Figure("results/agents/README.md", "GRPO's peaked at 19.1 GB and VinePPO's at 22.9 GB",
+           ("results/agents/memory-calculator.json",),
+           lambda m: "GRPO's peaked at {:.1f} GB and VinePPO's at {:.1f} GB".format(
+               m["runs"]["iterations-grpo-s0"]["peak_gb"], m["runs"]["iterations-vineppo-s0"]["peak_gb"])),
     Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:3],
            lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
