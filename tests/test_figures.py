@@ -268,10 +268,9 @@ def _scores(rows: list[dict], text: str) -> str:
 def _release_row(rows: list[dict], tool: bool = True) -> str:
     """A row of results/agents/README.md: pass@1, pass@4, greedy, replies with a call (a tool task), cut off."""
     finishes = [f for r in rows for f in r["sample_finish"]]
-    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     calls = f"{sum('<calc>' in t for t in _replies(rows))} of {len(_replies(rows))}" if tool else "—"
-    return (f"| {mean('pass@1'):.3f} | {mean('pass@k'):.3f} | {mean('greedy'):.3f} | {calls} | "
-            f"{sum(f == 'length' for f in finishes)} of {len(finishes)} samples |")
+    return _scores(rows, f"| {{pass1}} | {{pass4}} | {{greedy}} | {calls} | "
+                         f"{sum(f == 'length' for f in finishes)} of {len(finishes)} samples |")
 
 
 FIGURES = [

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from test_agents import PlainPrompter, add
 from test_engine import _chi2_gof, _nucleus, _prompts, char_tokenizer
 from vineppo import cli
 from vineppo import config as configs
@@ -92,16 +93,6 @@ def test_greedy_equals_the_native_engine(tiny, engine):
     assert any(len(s.token_ids) == 3 for r in want for x in r for s in x)  # a budget cut something
 
 
-def add(a: int, b: int) -> int:
-    """Adds two numbers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-
-
 class Nudge:
     """An environment that answers every turn with the same line and never ends the game."""
 
@@ -112,15 +103,6 @@ class Nudge:
 
     def step(self, text: str):
         return "go on", False
-
-
-class LinePrompter:
-    """The plain format's prompter: an observation goes in on its own line."""
-
-    tool_format = "plain"
-
-    def next_turn(self, messages: list[dict], ended_with: str) -> str:
-        return f"\n{messages[-1]['content']}\n"
 
 
 @real_vllm
@@ -138,7 +120,7 @@ def test_greedy_dialogues_equal_the_native_engines(tiny, engine):
     records = [Example(f"row-{i}", "", "", "") for i in range(len(prompts))]
 
     def dialogues(inner):
-        agent = AgentEngine(inner, spec, LinePrompter(), lambda ex: {}, 5.0)
+        agent = AgentEngine(inner, spec, PlainPrompter(), lambda ex: {}, 5.0)
         out = agent.generate(prompts, 2, params, records=records)
         return [[(s.token_ids, s.mask, s.turns, s.finish_reason) for s in r] for r in out], agent.take_stats()
 

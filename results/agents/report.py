@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
+from studies import evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
 
 TASKS = ("calculator", "guess-number")
 RUNS = ("iterations-grpo", "iterations-vineppo", "seconds-vineppo")
@@ -23,23 +26,11 @@ PHASES = ("sampling", "credit", "update")
 COUNTS = ("agent/turns", "agent/tool_calls", "agent/cut_off")  # per iteration, the means reported
 
 
-def mean_se(xs: list[float]) -> dict:
-    """Mean, standard error (sample sd / sqrt n; None for one value) and the values."""
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
-    return {"mean": statistics.mean(xs), "se": se, "values": xs}
-
-
-def verdict(d: dict) -> str:
-    """The protocol's rule: a mean more than 2 standard errors from 0."""
-    return "shown" if d["se"] is not None and abs(d["mean"]) > 2 * d["se"] else "not shown"
-
-
 def load(folder: Path) -> dict:
     """A run's evaluations (iteration, training seconds, test pass@1), per-iteration agent counts, its summary."""
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(folder)
     its = [r for r in rows if "train/reward" in r]
-    return {"evals": [(r["iteration"], r.get("time/train_s", 0.0), r["test/pass@1"]) for r in rows
-                      if "test/pass@1" in r],
+    return {"evals": evaluations(rows),
             "agent": {k: statistics.mean(r.get(k, 0.0) for r in its) for k in COUNTS},
             "phase_s": {p: statistics.median(r.get(f"time/{p}_s", 0.0) for r in its) for p in PHASES},
             "summary": json.loads((folder / "summary.json").read_text())}
@@ -51,7 +42,7 @@ def paired(final: dict, a: str, b: str) -> dict | None:
     if not seeds:
         return None
     d = mean_se([final[a][s] - final[b][s] for s in seeds])
-    return {**d, "seeds": seeds, "verdict": verdict(d)}
+    return {**d, "seeds": seeds, "verdict": shown(d)}
 
 
 def task_result(root: Path, task: str, out: Path) -> dict | None:
@@ -70,7 +61,7 @@ def task_result(root: Path, task: str, out: Path) -> dict | None:
                 shutil.copy(p / name, dest / name)
     final = {run: {s: d["summary"]["final_test_pass@1"] for s, d in runs.items()} for run, runs in data.items()}
     per = lambda f: {run: f(runs) for run, runs in data.items()}  # noqa: E731 - one figure per run kind
-    plot(task, data, out / f"{task}.png")
+    plot_seconds(task, data, out / f"{task}.png")
     first = next(iter(data.values()))
     return {"seeds": per(sorted), "start_test_pass@1": mean_se([d["evals"][0][2] for d in first.values()]),
             "final_pass@1": per(lambda runs: mean_se([d["summary"]["final_test_pass@1"] for d in runs.values()])),
@@ -82,29 +73,6 @@ def task_result(root: Path, task: str, out: Path) -> dict | None:
                                                 for p in PHASES}),
             "h1_vineppo_minus_grpo": paired(final, "iterations-vineppo", "iterations-grpo"),
             "h2_vineppo_minus_grpo": paired(final, "seconds-vineppo", "iterations-grpo")}
-
-
-def plot(task: str, data: dict, path: Path) -> None:
-    """Test pass@1 against training seconds: each run kind's mean over seeds at its evaluations, the range shaded."""
-    import matplotlib  # only for the figure
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after the Agg backend is chosen
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for run, runs in data.items():
-        n = min(len(r["evals"]) for r in runs.values())
-        xs = [statistics.mean(r["evals"][k][1] for r in runs.values()) for k in range(n)]
-        ys = [[r["evals"][k][2] for r in runs.values()] for k in range(n)]
-        ax.plot(xs, [statistics.mean(y) for y in ys], marker="o", ms=3, label=run)
-        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15)
-    ax.set(xlabel="training seconds (sampling, credit, update)", ylabel="test pass@1",
-           title=f"{task}: test pass@1 against seconds (mean of {len(next(iter(data.values())))} seeds, range)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def memory(log: Path, task: str, out: Path) -> None:

@@ -15,8 +15,11 @@ import argparse
 import json
 import math
 import shutil
-import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
+from studies import evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
 
 NEW = ("vineppo-tree", "tempo")
 BASELINES = ("vineppo", "grpo", "dr-grpo")
@@ -24,22 +27,9 @@ METHODS = ("vineppo", "vineppo-tree", "tempo", "grpo", "dr-grpo")
 TASKS = ("default", "skip", "long", "pairs")
 
 
-def mean_se(xs: list[float]) -> dict:
-    """Mean, standard error (sample sd / sqrt n; None for one value) and the values."""
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
-    return {"mean": statistics.mean(xs), "se": se, "values": xs}
-
-
-def shown(d: dict) -> str:
-    """The protocol's rule: a mean more than 2 standard errors from 0."""
-    return "shown" if d["se"] is not None and abs(d["mean"]) > 2 * d["se"] else "not shown"
-
-
 def load(folder: Path) -> dict:
     """A run's evaluations (iteration, training seconds, test pass@1) and its summary."""
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["iteration"], r.get("time/train_s", 0.0), r["test/pass@1"]) for r in rows if "test/pass@1" in r]
-    return {"evals": evals, "summary": json.loads((folder / "summary.json").read_text())}
+    return {"evals": evaluations(metrics(folder)), "summary": json.loads((folder / "summary.json").read_text())}
 
 
 def learning(runs: Path, out: Path) -> dict:
@@ -72,31 +62,8 @@ def learning(runs: Path, out: Path) -> dict:
                         "train_s": {m: [round(data[m][s]["summary"]["train_s"], 1) for s in seeds] for m in METHODS},
                         "differences": diffs, "equal_iterations": common,
                         "pass@1_at_equal_iterations": {m: mean_se(list(at[m].values())) for m in METHODS}}
-        plot(task, data, out / f"{task}.png")
+        plot_seconds(task, data, out / f"{task}.png")
     return result
-
-
-def plot(task: str, data: dict, path: Path) -> None:
-    """Test pass@1 against training seconds: each method's mean over seeds at its evaluations, the range shaded."""
-    import matplotlib  # only for the figure
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after the Agg backend is chosen
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for m, runs in data.items():
-        n = min(len(r["evals"]) for r in runs.values())
-        xs = [statistics.mean(r["evals"][k][1] for r in runs.values()) for k in range(n)]
-        ys = [[r["evals"][k][2] for r in runs.values()] for k in range(n)]
-        ax.plot(xs, [statistics.mean(y) for y in ys], marker="o", ms=3, label=m)
-        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15)
-    ax.set(xlabel="training seconds (sampling, credit, update)", ylabel="test pass@1",
-           title=f"{task}: test pass@1 against seconds (mean of {len(next(iter(data.values())))} seeds, range)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def values(path: Path, out: Path) -> dict:

@@ -170,7 +170,7 @@ def load_env(spec: Any) -> type:
 
 def env_stop(env: type | None) -> tuple[str, ...]:
     """The strings that end the model's turn in a dialogue with `env` (its `stop` attribute), besides EOS."""
-    return tuple(getattr(env, "stop", ())) if env is not None else ()
+    return tuple(getattr(env, "stop", ()))  # None (no environment) has none
 
 
 def resumable(env: type | None) -> bool:
