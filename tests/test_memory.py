@@ -1,6 +1,7 @@
-"""Memory knobs: the LM head on scored positions only, LoRA with the reference as adapters-off, bf16
+"""Memory knobs: the freed C heap handed back between iterations, the LM head on scored positions only, LoRA with the reference as adapters-off, bf16
 autocast and gradient checkpointing. FSDP2 and DDP are tested in test_distributed.py."""
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from vineppo import config as configs
 from vineppo import parallel
 from vineppo.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs
 from vineppo.prompts import saved_dtype, saved_format
-from vineppo.trainer import train
+from vineppo.trainer import return_freed_memory, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = dict(algo="grpo", prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=48, minibatch=8, micro_batch=4,
@@ -41,6 +42,28 @@ def _rows(run) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the LM head on scored positions only
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="not glibc: no malloc_trim to call")
+def test_freed_heap_pages_go_back_to_the_system():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, count = 64 * 1024, 3000  # 192 MiB in blocks under the mmap threshold: on the heap, as a CPU run's tensors
+    blocks = [libc.malloc(size) for _ in range(count)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    for b in blocks[:-1]:  # the last block pins the heap's top: glibc keeps the freed pages below it resident
+        libc.free(b)
+    before = _resident_bytes()
+    assert return_freed_memory()
+    assert before - _resident_bytes() > 100 * 2**20
+    libc.free(blocks[-1])
 
 
 def test_log_probs_are_those_of_each_sequence_alone_and_the_head_sees_only_response_positions():

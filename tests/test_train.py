@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vineppo import cli
+from vineppo import cli, trainer
 from vineppo import config as configs
 from vineppo.credit import Episode
 from vineppo.errors import UserError
@@ -32,9 +32,12 @@ def _cfg(model: Path, out: Path, **kw) -> configs.TrainConfig:
 
 
 @pytest.mark.parametrize("algo", ["vineppo", "ppo", "grpo", "rloo"])
-def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo):
+def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo, monkeypatch):
     torch.set_num_threads(1)
+    trims = []  # each update's freed C-heap pages go back to the system (glibc's malloc_trim, faked here)
+    monkeypatch.setattr(trainer, "_MALLOC_TRIM", trims.append)
     summary = train(_cfg(tiny_sft, tmp_path / algo, algo=algo, iterations=2))
+    assert trims == [0] * 4  # at each iteration's start and after its update
     out = tmp_path / algo
     assert summary["iterations"] == 2
     saved = json.loads((out / "summary.json").read_text())

@@ -1,7 +1,7 @@
 """The agents studies' figures (PROTOCOL.md, PROTOCOL-guess-number.md): the released model's evaluation, H1 and H2
 with their verdicts (each over the seeds that finished both of its runs), and a plot per task.
 
-    python results/agents/report.py --runs $SCRATCH/agents --out results/agents [--memory $SCRATCH/rss.log]
+    python results/agents/report.py --runs $SCRATCH/agents --out results/agents [--memory $SCRATCH/rss.log [--memory-task TASK]]
 
 Copies each run's metrics.jsonl, summary.json and config.yaml to OUT/runs/<task>/<run>/ and each release
 evaluation's JSON to OUT/release-<task>.json, and writes OUT/study.json and OUT/<task>.png (test pass@1 against
@@ -82,7 +82,7 @@ def memory(log: Path, task: str, out: Path) -> None:
         name, kb = line.split()
         runs.setdefault(name, []).append(round(int(kb) / 1e6, 2))
     (out / f"memory-{task}.json").write_text(json.dumps(
-        {"command": "bash results/agents/memory.sh $SCRATCH/rss.log (beside run.py)",
+        {"command": f"bash results/agents/memory.sh $SCRATCH/rss.log {task} (beside run.py)",
          "unit": "GB (10^9 bytes) resident, one sample every 5 s",
          "runs": {k: {"peak_gb": max(v), "samples_gb": v} for k, v in runs.items()}}) + "\n")
 
@@ -91,10 +91,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent)
-    ap.add_argument("--memory", type=Path, help="memory.sh's log of the calculator's runs")
+    ap.add_argument("--memory", type=Path, help="memory.sh's log of one task's runs")
+    ap.add_argument("--memory-task", default=TASKS[0], choices=TASKS, help="the task --memory's log is of")
     args = ap.parse_args()
     if args.memory:
-        memory(args.memory, "calculator", args.out)
+        memory(args.memory, args.memory_task, args.out)
     study = {}
     for task in TASKS:
         release = args.runs / task / "release.json"

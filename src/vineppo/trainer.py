@@ -8,6 +8,7 @@ Read `train` top to bottom.
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import json
 import random
@@ -44,6 +45,11 @@ NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcom
 TABLE_ROWS = 32  # sampled responses in each table of completions.jsonl (the first prompts' groups)
 TIMES = ("wall_clock_s", "setup_s", "start_eval_s", "train_s", "eval_s", "save_s")  # the summary's seconds: all, parts
 ALIASES = ("start_test_pass@1", "start_test_behaviours")  # also in the summary as sft_*, their names before
+
+try:
+    _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim  # glibc's; musl and macOS have none (nothing to do there)
+except (AttributeError, OSError, TypeError):
+    _MALLOC_TRIM = None
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, task: Task | None = None,
@@ -282,6 +288,7 @@ def iteration(run: Run, it: int) -> bool:
 
     # 1. Sample: this rank's share of the iteration's prompts, several responses each.
     t0 = time.perf_counter()
+    return_freed_memory()  # what the last update, evaluation and checkpoint freed
     run.bar.begin(it)
     _progress(run, it)
     run.bar.status("sampling")
@@ -314,12 +321,23 @@ def iteration(run: Run, it: int) -> bool:
         raise UserError(f"iteration {it + 1}: {e}; try a lower --lr. Nothing was saved after the last good "
                         f"checkpoint: {runs.latest(run.out) or 'none yet'}") from None
     run.engine.push_weights(run.sampler)  # vLLM samples from its own copy of the weights: reload it (native: nothing)
+    return_freed_memory()  # the update's, before an evaluation
     metrics.update(_agent_stats(run, "mc/"))  # the Monte Carlo dialogues' (VinePPO over turns)
     t2 = time.perf_counter()
     metrics.update({"time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - metrics.get("time/credit_s", 0.0)})
     metrics.update(_logged_metrics(run, "metric/"))  # the reward functions' log_metric calls of this iteration
     state.train_s += t2 - t0
     return _record(run, it, metrics, sampled, calls[-1] if calls else None)
+
+
+def return_freed_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim); False where there is none to call."""
+    # glibc keeps what an iteration frees for reuse, but each iteration's tensors differ in size: without this a
+    # CPU run's resident memory grew by about a GB an iteration (21 GB after 10 on a 24 GB machine).
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def _record(run: Run, it: int, metrics: dict[str, float], sampled: list[Episode], call: Call | None) -> bool:
