@@ -1,5 +1,8 @@
 """Adaptive Monte Carlo (--mc-k-min, --mc-rule) and state selection (--mc-states): rules, rounds, segments."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from vineppo import config as configs
 from vineppo.credit import (Episode, get_estimator, next_round, segment_advantages, settled, state_offsets,
                             wilson_half_width)
 from vineppo.engine import Engine, Request, SamplingParams
+from vineppo.engine import job as job_module
 from vineppo.errors import UserError
 from vineppo.tasks import Example
 
@@ -133,6 +137,19 @@ def test_engine_rounds_go_only_to_the_prefixes_that_ask_and_reuse_the_prefill(en
     for st in out[0][1]:
         assert 1 <= len(st.token_ids) <= PARAMS.max_new_tokens
 
+
+
+def test_an_adaptive_job_is_freed_when_it_returns(engine, monkeypatch):
+    jobs = []  # the job's caches (GBs in an evaluation of dialogues) must go with it, not wait for a full gc
+    init = job_module.Job.__init__
+    monkeypatch.setattr(job_module.Job, "__init__",
+                        lambda self, *a, **k: jobs.append(weakref.ref(self)) or init(self, *a, **k))
+    gc.disable()
+    try:
+        engine.continuations(Request(SEQS, BOUNDS, 2, PARAMS, torch.Generator().manual_seed(3), more=lambda *a: 0))
+        assert len(jobs) == 1 and jobs[0]() is None
+    finally:
+        gc.enable()
 
 # ------------------------------------------------------------------------------------ which states, segments
 

@@ -332,8 +332,8 @@ def iteration(run: Run, it: int) -> bool:
 
 def return_freed_memory() -> bool:
     """Give the C heap's free pages back to the system (glibc's malloc_trim); False where there is none to call."""
-    # glibc keeps what an iteration frees for reuse, but each iteration's tensors differ in size: without this a
-    # CPU run's resident memory grew by about a GB an iteration (21 GB after 10 on a 24 GB machine).
+    # glibc keeps the heap an iteration frees for reuse, but the next iteration's tensors differ in size: without
+    # this a CPU run's resident set keeps GBs it no longer uses (measured: results/agents/PROTOCOL-guess-number.md).
     if _MALLOC_TRIM is None:
         return False
     _MALLOC_TRIM(0)

@@ -39,8 +39,11 @@ class Job:
 
     def run(self) -> list[list[list[Sample]]]:
         """Step until every unit is sampled; result[i][j]: the k samples after bounds[i][j]."""
-        while self.step():
-            pass
+        try:
+            while self.step():
+                pass
+        finally:  # on_emit is this job's own method: the cycle kept the job's KV caches alive until a full gc
+            self.finisher.on_emit = None
         return self.out
 
     def step(self) -> bool:
