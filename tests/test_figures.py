@@ -259,6 +259,40 @@ def _seconds(study: dict, method: str) -> float:
     return study["calculator"]["train_s"][f"iterations-{method}"][0]
 
 
+def _game_row(name: str, method: str) -> Callable[[dict], str]:
+    """A row of results/agents/README.md's guessing-game table: each seed's final pass@1 (mean), seconds, counts."""
+    def render(study: dict) -> str:
+        g, run = study["guess-number"], f"iterations-{method}"
+        final = g["final_pass@1"][run]
+        finals = ", ".join(f"{v:.3f}" for v in final["values"])
+        seconds = ", ".join(f"{v:.0f}" for v in g["train_s"][run])
+        counts = ", ".join(f"{g['per_iteration'][run][k]:.1f}" for k in ("agent/turns", "agent/cut_off"))
+        phases = ", ".join(f"{g['median_phase_s'][run][k]:.1f}" for k in ("sampling", "credit", "update"))
+        return f"| {name} | {finals} ({final['mean']:.3f}) | {seconds} | {counts} | {phases} |"
+    return render
+
+
+def _game_h1(study: dict) -> str:
+    """The guessing game's H1: the mean difference ± SE, per seed, and the verdict."""
+    h1 = study["guess-number"]["h1_vineppo_minus_grpo"]
+    per_seed = ", ".join(f"{v:+.3f}" for v in h1["values"])
+    return f"VinePPO − GRPO = {h1['mean']:+.3f} ± {h1['se']:.3f} ({per_seed}): *{h1['verdict']}*"
+
+
+def _game_cost(study: dict) -> str:
+    """VinePPO's training seconds over GRPO's on the guessing game, summed over the seeds of H1."""
+    s = study["guess-number"]["train_s"]
+    return f"{sum(s['iterations-vineppo']) / sum(s['iterations-grpo']):.2f}× GRPO's training seconds"
+
+
+def _game_memory(before: dict, after: dict) -> str:
+    """GRPO seed 0's peak resident GB on the guessing game: without the memory fixes, with the trim alone, with both."""
+    runs = before["runs"]
+    return "peaked at {:.1f} GB without either fix, {:.1f} GB with the trim alone and {:.1f} GB with both".format(
+        runs["iterations-grpo-s0 without either fix"]["peak_gb"],
+        runs["iterations-grpo-s0 with malloc_trim only"]["peak_gb"], after["runs"]["iterations-grpo-s0"]["peak_gb"])
+
+
 def _scores(rows: list[dict], text: str) -> str:
     """`text` with {pass1}, {pass4}, {greedy}: an evaluation's means over its problems."""
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
@@ -361,7 +395,7 @@ FIGURES = [
     *(Figure(page, text.format(pass1="0.336", pass4="0.609", greedy="0.391"), AGENTS[3:],
              lambda rows, t=text: _scores(rows, t))
       for page, text in (("docs/results.md", "| {pass1} | {pass4} | whether a guess uses the answer"),
-                         ("README.md", "[`guess-number/`](examples/guess-number/README.md) ({pass1})"),
+                         ("README.md", "[`guess-number/`](examples/guess-number/README.md) ({pass1};"),
                          ("examples/README.md", "the released model plays: pass@1 {pass1}"),
                          ("results/README.md", "pass@1 {pass1} (pass@4 {pass4})"),
                          ("examples/guess-number/README.md", "pass@1 {pass1} (pass@4 {pass4}, greedy {greedy})"))),
@@ -397,6 +431,26 @@ FIGURES = [
                m["runs"]["iterations-grpo-s0"]["peak_gb"], m["runs"]["iterations-vineppo-s0"]["peak_gb"])),
     Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:3],
            lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
+    *(Figure("results/agents/README.md", text, (AGENT_STUDY,), _game_row(name, method))
+      for name, method, text in (("GRPO", "grpo", "| GRPO | 0.777, 0.930 (0.854) | 427, 415 | 161.7, 29.6 | 21.6, 0.0, 20.4 |"), ("VinePPO", "vineppo", "| VinePPO | 0.566, 0.738 (0.652) | 927, 844 | 157.9, 29.1 | 22.0, 45.7, 20.8 |"))),
+    *(Figure(page, "VinePPO − GRPO = -0.201 ± 0.010 (-0.211, -0.191): *shown*", (AGENT_STUDY,), _game_h1) for page in ("results/agents/README.md", "docs/results.md")),
+    *(Figure(page, "2.10× GRPO's training seconds", (AGENT_STUDY,), _game_cost) for page in ("results/agents/README.md", "docs/results.md")),
+    Figure("results/agents/README.md", "peaked at 21.0 GB without either fix, 20.6 GB with the trim alone and 8.8 GB with both", ("results/agents/memory-guess-number-before-fix.json",
+                                                      "results/agents/memory-guess-number.json"), _game_memory),
+    Figure("docs/results.md", "to 0.854 (mean of 0.777 and 0.930) in 10 iterations, VinePPO over turns to 0.652",
+           (AGENT_STUDY,), lambda study: "to {:.3f} (mean of {}) in 10 iterations, VinePPO over turns to {:.3f}".format(
+               (g := study["guess-number"]["final_pass@1"])["iterations-grpo"]["mean"],
+               " and ".join(f"{v:.3f}" for v in g["iterations-grpo"]["values"]), g["iterations-vineppo"]["mean"])),
+    Figure("README.md", "GRPO 0.854, VinePPO over turns 0.652, 2 seeds", (AGENT_STUDY,),
+           lambda study: "GRPO {:.3f}, VinePPO over turns {:.3f}, {} seeds".format(
+               *((g := study["guess-number"])["final_pass@1"][f"iterations-{m}"]["mean"] for m in ("grpo", "vineppo")),
+               len(g["h1_vineppo_minus_grpo"]["seeds"]))),
+    Figure("docs/results.md", "(8.8 GB at peak for the same GRPO run)", ("results/agents/memory-guess-number.json",),
+           lambda m: f"({m['runs']['iterations-grpo-s0']['peak_gb']:.1f} GB at peak for the same GRPO run)"),
+    Figure("results/agents/README.md", "VinePPO's runs peaked at 10.8 and 12.8 GB",
+           ("results/agents/memory-guess-number.json",),
+           lambda m: "VinePPO's runs peaked at {:.1f} and {:.1f} GB".format(
+               *(m["runs"][f"iterations-vineppo-s{s}"]["peak_gb"] for s in (0, 1)))),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
 ]

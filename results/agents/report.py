@@ -82,7 +82,7 @@ def memory(log: Path, task: str, out: Path) -> None:
         name, kb = line.split()
         runs.setdefault(name, []).append(round(int(kb) / 1e6, 2))
     (out / f"memory-{task}.json").write_text(json.dumps(
-        {"command": f"bash results/agents/memory.sh $SCRATCH/rss.log {task} (beside run.py)",
+        {"command": f"bash results/agents/memory.sh $SCRATCH/{log.name} {task} (beside run.py)",
          "unit": "GB (10^9 bytes) resident, one sample every 5 s",
          "runs": {k: {"peak_gb": max(v), "samples_gb": v} for k, v in runs.items()}}) + "\n")
 
