@@ -432,25 +432,32 @@ FIGURES = [
     Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:3],
            lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
     *(Figure("results/agents/README.md", text, (AGENT_STUDY,), _game_row(name, method))
-      for name, method, text in (("GRPO", "grpo", "| GRPO | 0.777, 0.930 (0.854) | 427, 415 | 161.7, 29.6 | 21.6, 0.0, 20.4 |"), ("VinePPO", "vineppo", "| VinePPO | 0.566, 0.738 (0.652) | 927, 844 | 157.9, 29.1 | 22.0, 45.7, 20.8 |"))),
-    *(Figure(page, "VinePPO − GRPO = -0.201 ± 0.010 (-0.211, -0.191): *shown*", (AGENT_STUDY,), _game_h1) for page in ("results/agents/README.md", "docs/results.md")),
-    *(Figure(page, "2.10× GRPO's training seconds", (AGENT_STUDY,), _game_cost) for page in ("results/agents/README.md", "docs/results.md")),
-    Figure("results/agents/README.md", "peaked at 21.0 GB without either fix, 20.6 GB with the trim alone and 8.8 GB with both", ("results/agents/memory-guess-number-before-fix.json",
-                                                      "results/agents/memory-guess-number.json"), _game_memory),
-    Figure("docs/results.md", "to 0.854 (mean of 0.777 and 0.930) in 10 iterations, VinePPO over turns to 0.652",
-           (AGENT_STUDY,), lambda study: "to {:.3f} (mean of {}) in 10 iterations, VinePPO over turns to {:.3f}".format(
-               (g := study["guess-number"]["final_pass@1"])["iterations-grpo"]["mean"],
-               " and ".join(f"{v:.3f}" for v in g["iterations-grpo"]["values"]), g["iterations-vineppo"]["mean"])),
-    Figure("README.md", "GRPO 0.854, VinePPO over turns 0.652, 2 seeds", (AGENT_STUDY,),
+      for name, method, text in (
+          ("GRPO", "grpo", "| GRPO | 0.777, 0.930, 0.656 (0.788) | 427, 415, 416 | 160.4, 29.9 | 21.5, 0.0, 20.4 |"),
+          ("VinePPO", "vineppo",
+           "| VinePPO | 0.566, 0.738, 0.688 (0.664) | 927, 844, 830 | 158.3, 29.5 | 21.5, 43.3, 20.8 |"))),
+    *(Figure(page, "VinePPO − GRPO = -0.124 ± 0.078 (-0.211, -0.191, +0.031): *not shown*", (AGENT_STUDY,),
+             _game_h1) for page in ("results/agents/README.md", "docs/results.md")),
+    *(Figure(page, "2.07× GRPO's training seconds", (AGENT_STUDY,), _game_cost)
+      for page in ("results/agents/README.md", "docs/results.md")),
+    Figure("results/agents/README.md",
+           "peaked at 21.0 GB without either fix, 20.6 GB with the trim alone and 8.8 GB with both",
+           ("results/agents/memory-guess-number-before-fix.json", "results/agents/memory-guess-number.json"),
+           _game_memory),
+    Figure("docs/results.md", "to 0.788 (mean of 0.777, 0.930 and 0.656) in 10 iterations, VinePPO over turns to 0.664",
+           (AGENT_STUDY,), lambda study: "to {:.3f} (mean of {}, {} and {}) in 10 iterations, VinePPO over turns to "
+           "{:.3f}".format((g := study["guess-number"]["final_pass@1"])["iterations-grpo"]["mean"],
+                           *(f"{v:.3f}" for v in g["iterations-grpo"]["values"]), g["iterations-vineppo"]["mean"])),
+    Figure("README.md", "GRPO 0.788, VinePPO over turns 0.664, 3 seeds", (AGENT_STUDY,),
            lambda study: "GRPO {:.3f}, VinePPO over turns {:.3f}, {} seeds".format(
                *((g := study["guess-number"])["final_pass@1"][f"iterations-{m}"]["mean"] for m in ("grpo", "vineppo")),
                len(g["h1_vineppo_minus_grpo"]["seeds"]))),
     Figure("docs/results.md", "(8.8 GB at peak for the same GRPO run)", ("results/agents/memory-guess-number.json",),
            lambda m: f"({m['runs']['iterations-grpo-s0']['peak_gb']:.1f} GB at peak for the same GRPO run)"),
-    Figure("results/agents/README.md", "VinePPO's runs peaked at 10.8 and 12.8 GB",
+    Figure("results/agents/README.md", "VinePPO's runs peaked at 10.8, 12.8 and 8.8 GB",
            ("results/agents/memory-guess-number.json",),
-           lambda m: "VinePPO's runs peaked at {:.1f} and {:.1f} GB".format(
-               *(m["runs"][f"iterations-vineppo-s{s}"]["peak_gb"] for s in (0, 1)))),
+           lambda m: "VinePPO's runs peaked at {:.1f}, {:.1f} and {:.1f} GB".format(
+               *(m["runs"][f"iterations-vineppo-s{s}"]["peak_gb"] for s in SEEDS))),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
 ]
