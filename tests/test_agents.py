@@ -3,6 +3,8 @@ out of the update, VinePPO's states sit at turn boundaries and its continuations
 one line or a message back to the model, counted. A scripted engine writes the policy's turns."""
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -416,3 +418,27 @@ def test_dialogue_settings_on_a_cpu_cut_the_updates_passes_by_tokens(source):
     prompts, responses = [[1] * 300] * 64, [[1] * (longest - i) for i in range(64)]
     passes = micro_batches(list(range(64)), prompts, cfg.micro_batch, responses, cfg.micro_batch_tokens)
     assert all(len(p) * (300 + max(len(responses[i]) for i in p)) <= cfg.micro_batch_tokens for p in passes)
+
+
+def test_the_studys_memory_log_holds_only_named_runs_and_the_report_names_a_bad_line(tmp_path):
+    """memory.sh samples each study run of a task by its run name; another `vineppo train` of the task (a probe)
+    has none and is left out, and report.py --memory stops on a malformed line with the log's line number."""
+    root = Path(__file__).resolve().parents[1]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)", "vineppo", "train", "--config",
+               "examples/calculator/", "--out"]
+    procs = [subprocess.Popen(sleeper + [str(tmp_path / out)]) for out in ("probe", "agents/iterations-grpo-s0")]
+    log = tmp_path / "rss.log"
+    try:
+        time.sleep(0.5)
+        sampler = subprocess.Popen(["bash", str(root / "results/agents/memory.sh"), str(log), "calculator"])
+        time.sleep(2)
+        sampler.kill()
+    finally:
+        for p in procs:
+            p.kill()
+    lines = log.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["iterations-grpo-s0"] and lines[0].split()[1].isdigit()
+    log.write_text(lines[0] + "\n 1234\n")
+    done = subprocess.run([sys.executable, str(root / "results/agents/report.py"), "--runs", str(tmp_path),
+                           "--out", str(tmp_path), "--memory", str(log)], capture_output=True, text=True)
+    assert done.returncode != 0 and f"{log}:2: expected 'RUN KB'" in done.stderr

@@ -1,5 +1,6 @@
-"""Memory knobs: the freed C heap handed back between iterations, the LM head on scored positions only, LoRA with the reference as adapters-off, bf16
-autocast and gradient checkpointing. FSDP2 and DDP are tested in test_distributed.py."""
+"""Memory knobs: the freed C heap handed back between iterations, the LM head on scored positions only, LoRA with
+the reference as adapters-off, bf16 autocast and gradient checkpointing. FSDP2 and DDP are tested in
+test_distributed.py."""
 
 import ctypes
 import json

@@ -78,7 +78,9 @@ def task_result(root: Path, task: str, out: Path) -> dict | None:
 def memory(log: Path, task: str, out: Path) -> None:
     """memory.sh's samples as OUT/memory-<task>.json: each run's resident GB every 5 s and its peak."""
     runs: dict[str, list[float]] = {}
-    for line in log.read_text().splitlines():
+    for n, line in enumerate(log.read_text().splitlines(), 1):
+        if len(line.split()) != 2 or not line.split()[1].isdigit():
+            raise SystemExit(f"{log}:{n}: expected 'RUN KB' as memory.sh writes it, got {line!r}")
         name, kb = line.split()
         runs.setdefault(name, []).append(round(int(kb) / 1e6, 2))
     (out / f"memory-{task}.json").write_text(json.dumps(
