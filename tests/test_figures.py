@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,10 +260,10 @@ def _seconds(study: dict, method: str) -> float:
     return study["calculator"]["train_s"][f"iterations-{method}"][0]
 
 
-def _game_row(name: str, method: str) -> Callable[[dict], str]:
+def _game_row(name: str, run: str) -> Callable[[dict], str]:
     """A row of results/agents/README.md's guessing-game table: each seed's final pass@1 (mean), seconds, counts."""
     def render(study: dict) -> str:
-        g, run = study["guess-number"], f"iterations-{method}"
+        g = study["guess-number"]
         final = g["final_pass@1"][run]
         finals = ", ".join(f"{v:.3f}" for v in final["values"])
         seconds = ", ".join(f"{v:.0f}" for v in g["train_s"][run])
@@ -272,11 +273,23 @@ def _game_row(name: str, method: str) -> Callable[[dict], str]:
     return render
 
 
-def _game_h1(study: dict) -> str:
-    """The guessing game's H1: the mean difference ± SE, per seed, and the verdict."""
-    h1 = study["guess-number"]["h1_vineppo_minus_grpo"]
-    per_seed = ", ".join(f"{v:+.3f}" for v in h1["values"])
-    return f"VinePPO − GRPO = {h1['mean']:+.3f} ± {h1['se']:.3f} ({per_seed}): *{h1['verdict']}*"
+def _game_h(h: str) -> Callable[[dict], str]:
+    """The guessing game's H1 or H2: the mean difference ± SE, per seed, and the verdict."""
+    def render(study: dict) -> str:
+        d = study["guess-number"][f"{h}_vineppo_minus_grpo"]
+        per_seed = ", ".join(f"{v:+.3f}" for v in d["values"])
+        return f"VinePPO − GRPO = {d['mean']:+.3f} ± {d['se']:.3f} ({per_seed}): *{d['verdict']}*"
+    return render
+
+
+def _game_budget(study: dict) -> str:
+    """H2's budget (run.py's: GRPO's median training seconds, rounded), VinePPO's iterations in it, the overshoot."""
+    g = study["guess-number"]
+    budget = float(f"{statistics.median(g['train_s']['iterations-grpo']):.0f}")
+    its = g["iterations"]["seconds-vineppo"]
+    return "{:.0f} s) VinePPO ran {}, {} and {} iterations (the budget is checked between iterations, so the runs " \
+           "passed it by up to {:.0f} s) and reached {:.3f}".format(
+               budget, *its, max(g["train_s"]["seconds-vineppo"]) - budget, g["final_pass@1"]["seconds-vineppo"]["mean"])
 
 
 def _game_cost(study: dict) -> str:
@@ -433,11 +446,22 @@ FIGURES = [
            lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
     *(Figure("results/agents/README.md", text, (AGENT_STUDY,), _game_row(name, method))
       for name, method, text in (
-          ("GRPO", "grpo", "| GRPO | 0.777, 0.930, 0.656 (0.788) | 427, 415, 416 | 160.4, 29.9 | 21.5, 0.0, 20.4 |"),
-          ("VinePPO", "vineppo",
-           "| VinePPO | 0.566, 0.738, 0.688 (0.664) | 927, 844, 830 | 158.3, 29.5 | 21.5, 43.3, 20.8 |"))),
+          ("GRPO", "iterations-grpo",
+           "| GRPO | 0.777, 0.930, 0.656 (0.788) | 427, 415, 416 | 160.4, 29.9 | 21.5, 0.0, 20.4 |"),
+          ("VinePPO", "iterations-vineppo",
+           "| VinePPO | 0.566, 0.738, 0.688 (0.664) | 927, 844, 830 | 158.3, 29.5 | 21.5, 43.3, 20.8 |"),
+          ("VinePPO, GRPO's seconds (H2)", "seconds-vineppo", "| VinePPO, GRPO's seconds (H2) | 0.613, 0.605, 0.543 "
+           "(0.587) | 505, 427, 438 | 159.4, 36.4 | 22.6, 54.5, 21.6 |"))),
     *(Figure(page, "VinePPO − GRPO = -0.124 ± 0.078 (-0.211, -0.191, +0.031): *not shown*", (AGENT_STUDY,),
-             _game_h1) for page in ("results/agents/README.md", "docs/results.md")),
+             _game_h("h1")) for page in ("results/agents/README.md", "docs/results.md")),
+    *(Figure(page, "VinePPO − GRPO = -0.201 ± 0.064 (-0.164, -0.324, -0.113): *shown*", (AGENT_STUDY,),
+             _game_h("h2")) for page in ("results/agents/README.md", "docs/results.md")),
+    Figure("results/agents/README.md", "416 s) VinePPO ran 5, 4 and 5 iterations (the budget is checked between "
+           "iterations, so the runs passed it by up to 89 s) and reached 0.587", (AGENT_STUDY,), _game_budget),
+    Figure("docs/results.md", "seconds VinePPO reached 0.587 in 4-5 iterations", (AGENT_STUDY,),
+           lambda study: "seconds VinePPO reached {:.3f} in {}-{} iterations".format(
+               (g := study["guess-number"])["final_pass@1"]["seconds-vineppo"]["mean"],
+               min(g["iterations"]["seconds-vineppo"]), max(g["iterations"]["seconds-vineppo"]))),
     *(Figure(page, "2.07× GRPO's training seconds", (AGENT_STUDY,), _game_cost)
       for page in ("results/agents/README.md", "docs/results.md")),
     Figure("results/agents/README.md",
@@ -448,16 +472,18 @@ FIGURES = [
            (AGENT_STUDY,), lambda study: "to {:.3f} (mean of {}, {} and {}) in 10 iterations, VinePPO over turns to "
            "{:.3f}".format((g := study["guess-number"]["final_pass@1"])["iterations-grpo"]["mean"],
                            *(f"{v:.3f}" for v in g["iterations-grpo"]["values"]), g["iterations-vineppo"]["mean"])),
-    Figure("README.md", "GRPO 0.788, VinePPO over turns 0.664, 3 seeds", (AGENT_STUDY,),
-           lambda study: "GRPO {:.3f}, VinePPO over turns {:.3f}, {} seeds".format(
-               *((g := study["guess-number"])["final_pass@1"][f"iterations-{m}"]["mean"] for m in ("grpo", "vineppo")),
-               len(g["h1_vineppo_minus_grpo"]["seeds"]))),
+    Figure("README.md", "GRPO 0.788, VinePPO over turns 0.664, and 0.587 in GRPO's seconds, 3 seeds", (AGENT_STUDY,),
+           lambda study: "GRPO {:.3f}, VinePPO over turns {:.3f}, and {:.3f} in GRPO's seconds, {} seeds".format(
+               *((g := study["guess-number"])["final_pass@1"][r]["mean"]
+                 for r in ("iterations-grpo", "iterations-vineppo", "seconds-vineppo")),
+               len(g["h2_vineppo_minus_grpo"]["seeds"]))),
     Figure("docs/results.md", "(8.8 GB at peak for the same GRPO run)", ("results/agents/memory-guess-number.json",),
            lambda m: f"({m['runs']['iterations-grpo-s0']['peak_gb']:.1f} GB at peak for the same GRPO run)"),
-    Figure("results/agents/README.md", "VinePPO's runs peaked at 10.8, 12.8 and 8.8 GB",
-           ("results/agents/memory-guess-number.json",),
-           lambda m: "VinePPO's runs peaked at {:.1f}, {:.1f} and {:.1f} GB".format(
-               *(m["runs"][f"iterations-vineppo-s{s}"]["peak_gb"] for s in SEEDS))),
+    Figure("results/agents/README.md", "VinePPO's runs peaked at 10.8, 12.8 and 8.8 GB, its equal-seconds runs at "
+           "10.9, 12.7 and 8.2 GB", ("results/agents/memory-guess-number.json",),
+           lambda m: "VinePPO's runs peaked at {:.1f}, {:.1f} and {:.1f} GB, its equal-seconds runs at {:.1f}, {:.1f} "
+           "and {:.1f} GB".format(*(m["runs"][f"{r}-vineppo-s{s}"]["peak_gb"]
+                                    for r in ("iterations", "seconds") for s in SEEDS))),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
 ]
@@ -515,3 +541,15 @@ def test_a_missing_results_file_is_named(tmp_path):
     (root / figure.sources[2]).unlink()
     [message] = wrong_figures(root, [figure])
     assert figure.sources[2] in message and "cannot be read" in message
+
+
+def test_the_guessing_games_equal_seconds_runs_repeat_their_seeds_h1_runs_until_they_stop():
+    """results/agents/README.md says so: a run is set by its seed, so H2's shorter runs are H1's runs cut short."""
+    runs = ROOT / "results/agents/runs/guess-number"
+    for seed in SEEDS:
+        short, full = (_load(runs / f"{r}-vineppo-s{seed}/metrics.jsonl") for r in ("seconds", "iterations"))
+        rewards = [[r["train/reward"] for r in rows if "train/reward" in r] for rows in (short, full)]
+        tests = [{r["iteration"]: r["test/pass@1"] for r in rows if "test/pass@1" in r} for rows in (short, full)]
+        shared = tests[0].keys() & tests[1].keys()
+        assert rewards[0] == rewards[1][:len(rewards[0])] and len(rewards[0]) >= 4
+        assert {i: tests[0][i] for i in shared} == {i: tests[1][i] for i in shared} and len(shared) >= 1
