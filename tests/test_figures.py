@@ -240,43 +240,47 @@ def _moves(rows: list[dict]) -> dict[str, int]:
 
 
 AGENT_STUDY = "results/agents/study.json"
-AGENT_RUNS = tuple(f"results/agents/runs/calculator/iterations-{m}-s0/metrics.jsonl" for m in ("grpo", "vineppo"))
 
 
-def _study_row(name: str, method: str) -> Callable[..., str]:
-    """A row of results/agents/README.md's seed-0 table: the evaluations, seconds, agent counts and phase medians."""
-    def render(study: dict, rows: list[dict]) -> str:
-        c, run = study["calculator"], f"iterations-{method}"
-        tests = " → ".join(f"{r['test/pass@1']:.3f}" for r in rows if "test/pass@1" in r)
-        counts = ", ".join(f"{c['per_iteration'][run][k]:.1f}" for k in ("agent/turns", "agent/tool_calls",
-                                                                           "agent/cut_off"))
-        phases = ", ".join(f"{c['median_phase_s'][run][k]:.1f}" for k in ("sampling", "credit", "update"))
-        return f"| {name} | {tests} | {c['train_s'][run][0]:.0f} | {counts} | {phases} |"
-    return render
-
-
-def _seconds(study: dict, method: str) -> float:
-    """The calculator study's seed-0 training seconds of `method` at equal iterations."""
-    return study["calculator"]["train_s"][f"iterations-{method}"][0]
-
-
-def _game_row(name: str, run: str) -> Callable[[dict], str]:
-    """A row of results/agents/README.md's guessing-game table: each seed's final pass@1 (mean), seconds, counts."""
+def _agent_row(task: str, name: str, run: str, counts: tuple[str, ...]) -> Callable[[dict], str]:
+    """A row of an agents study table in results/agents/README.md: each seed's final pass@1 (mean), training
+    seconds, the per-iteration agent counts and the phases' median seconds."""
     def render(study: dict) -> str:
-        g = study["guess-number"]
+        g = study[task]
         final = g["final_pass@1"][run]
         finals = ", ".join(f"{v:.3f}" for v in final["values"])
         seconds = ", ".join(f"{v:.0f}" for v in g["train_s"][run])
-        counts = ", ".join(f"{g['per_iteration'][run][k]:.1f}" for k in ("agent/turns", "agent/cut_off"))
+        per = ", ".join(f"{g['per_iteration'][run][f'agent/{k}']:.1f}" for k in counts)
         phases = ", ".join(f"{g['median_phase_s'][run][k]:.1f}" for k in ("sampling", "credit", "update"))
-        return f"| {name} | {finals} ({final['mean']:.3f}) | {seconds} | {counts} | {phases} |"
+        return f"| {name} | {finals} ({final['mean']:.3f}) | {seconds} | {per} | {phases} |"
     return render
 
 
-def _game_h(h: str) -> Callable[[dict], str]:
-    """The guessing game's H1 or H2: the mean difference ± SE, per seed, and the verdict."""
+def _cost(task: str) -> Callable[[dict], str]:
+    """VinePPO's training seconds over GRPO's at equal iterations, summed over the seeds of H1."""
     def render(study: dict) -> str:
-        d = study["guess-number"][f"{h}_vineppo_minus_grpo"]
+        s = study[task]["train_s"]
+        return f"{sum(s['iterations-vineppo']) / sum(s['iterations-grpo']):.2f}× GRPO's training seconds"
+    return render
+
+
+def _finals(task: str, text: str) -> Callable[[dict], str]:
+    """`text` with an agents study's mean final pass@1 ({grpo}, {vineppo}, {seconds}: VinePPO at GRPO's seconds),
+    H1's seed count ({n}) and the verdicts ({h1}, {h2})."""
+    def render(study: dict) -> str:
+        g = study[task]
+        means = {k: f"{g['final_pass@1'][run]['mean']:.3f}" for k, run in
+                 (("grpo", "iterations-grpo"), ("vineppo", "iterations-vineppo"), ("seconds", "seconds-vineppo"))
+                 if run in g["final_pass@1"]}
+        verdicts = {h: (g[f"{h}_vineppo_minus_grpo"] or {}).get("verdict") for h in ("h1", "h2")}
+        return text.format(**means, **verdicts, n=len(g["h1_vineppo_minus_grpo"]["seeds"]))
+    return render
+
+
+def _hypothesis(task: str, h: str) -> Callable[[dict], str]:
+    """An agents study's H1 or H2: the mean difference ± SE, per seed, and the verdict."""
+    def render(study: dict) -> str:
+        d = study[task][f"{h}_vineppo_minus_grpo"]
         per_seed = ", ".join(f"{v:+.3f}" for v in d["values"])
         return f"VinePPO − GRPO = {d['mean']:+.3f} ± {d['se']:.3f} ({per_seed}): *{d['verdict']}*"
     return render
@@ -290,12 +294,6 @@ def _game_budget(study: dict) -> str:
     return "{:.0f} s) VinePPO ran {}, {} and {} iterations (the budget is checked between iterations, so the runs " \
            "passed it by up to {:.0f} s) and reached {:.3f}".format(
                budget, *its, max(g["train_s"]["seconds-vineppo"]) - budget, g["final_pass@1"]["seconds-vineppo"]["mean"])
-
-
-def _game_cost(study: dict) -> str:
-    """VinePPO's training seconds over GRPO's on the guessing game, summed over the seeds of H1."""
-    s = study["guess-number"]["train_s"]
-    return f"{sum(s['iterations-vineppo']) / sum(s['iterations-grpo']):.2f}× GRPO's training seconds"
 
 
 def _game_memory(before: dict, after: dict) -> str:
@@ -420,31 +418,44 @@ FIGURES = [
                          ("results/agents/README.md", "of the {total} guesses that follow a \"Higher.\" or \"Lower.\" "
                           "in the {replies} replies, {right} move the right way, {same} repeat the number just "
                           "guessed and {wrong} move the wrong way"))),
-    *(Figure("results/agents/README.md", text, (AGENT_STUDY, run), _study_row(name, method))
-      for name, method, run, text in (
-          ("GRPO", "grpo", AGENT_RUNS[0],
-           "| GRPO | 0.108 → 0.950 → 0.983 | 849 | 114.1, 50.7, 13.4 | 29.1, 0.0, 55.6 |"),
-          ("VinePPO", "vineppo", AGENT_RUNS[1],
-           "| VinePPO | 0.108 → 0.921 → 0.992 | 1262 | 110.1, 46.5, 17.3 | 30.3, 38.2, 51.8 |"))),
-    *(Figure(page, "VinePPO − GRPO = +0.008", (AGENT_STUDY,),
-             lambda study: f"VinePPO − GRPO = {study['calculator']['h1_vineppo_minus_grpo']['mean']:+.3f}")
-      for page in ("results/agents/README.md", "docs/results.md")),
-    Figure("results/agents/README.md", "1.49× GRPO's training seconds here (1262 against 849)", (AGENT_STUDY,),
-           lambda study: "{:.2f}× GRPO's training seconds here ({:.0f} against {:.0f})".format(
-               _seconds(study, "vineppo") / _seconds(study, "grpo"), _seconds(study, "vineppo"),
-               _seconds(study, "grpo"))),
-    Figure("docs/results.md", "took 1.49× GRPO's training seconds", (AGENT_STUDY,),
-           lambda study: f"took {_seconds(study, 'vineppo') / _seconds(study, 'grpo'):.2f}× GRPO's training seconds"),
-    Figure("docs/results.md", "(GRPO 0.983, VinePPO 0.992)", (AGENT_STUDY,),
-           lambda study: "(GRPO {:.3f}, VinePPO {:.3f})".format(
-               *(study["calculator"]["final_pass@1"][f"iterations-{m}"]["mean"] for m in ("grpo", "vineppo")))),
-    Figure("results/agents/README.md", "GRPO's peaked at 19.1 GB and VinePPO's at 22.9 GB",
+    *(Figure("results/agents/README.md", text, (AGENT_STUDY,),
+             _agent_row("calculator", name, run, ("turns", "tool_calls", "cut_off")))
+      for name, run, text in (
+          ("GRPO", "iterations-grpo", "| GRPO | 0.983, 0.992 (0.988) | 849, 773 | 117.4, 53.5, 11.8 | 29.1, 0.0, 51.7 |"),
+          ("VinePPO", "iterations-vineppo",
+           "| VinePPO | 0.992, 0.988 (0.990) | 1262, 1064 | 115.8, 52.0, 11.9 | 30.0, 33.9, 44.9 |"))),
+    Figure("results/agents/README.md", "From the released model's 0.108 and 0.104", (AGENT_STUDY,),
+           lambda study: "From the released model's {:.3f} and {:.3f}".format(
+               *study["calculator"]["start_test_pass@1"]["values"])),
+    *(Figure(page, "VinePPO − GRPO = +0.002 ± 0.006 (+0.008, -0.004): *not shown*", (AGENT_STUDY,),
+             _hypothesis("calculator", "h1")) for page in ("results/agents/README.md", "docs/results.md")),
+    *(Figure(page, "1.43× GRPO's training seconds", (AGENT_STUDY,), _cost("calculator"))
+      for page in ("results/agents/README.md", "docs/results.md", "examples/calculator/README.md")),
+    *(Figure(page, text.format(grpo="0.988", vineppo="0.990", n=2), (AGENT_STUDY,), _finals("calculator", text))
+      for page, text in (
+        ("docs/results.md", "(GRPO {grpo}, VinePPO {vineppo})"),
+        ("examples/calculator/README.md", "GRPO reaches test pass@1 {grpo} and VinePPO over turns {vineppo}"),
+        ("examples/README.md", "GRPO {grpo}, VinePPO over turns {vineppo}, {n} seeds"),
+        ("results/README.md", "test pass@1 GRPO {grpo}, VinePPO {vineppo} after 10 iterations"))),
+    *(Figure(page, text.format(grpo="0.788", vineppo="0.664", seconds="0.587", n=3, h1="not shown", h2="shown"),
+             (AGENT_STUDY,), _finals("guess-number", text))
+      for page, text in (
+        ("examples/README.md", "GRPO {grpo}, VinePPO over turns {vineppo}, {n} seeds"),
+        ("examples/guess-number/README.md", "GRPO reaches test pass@1 {grpo} and VinePPO over turns {vineppo} (the "
+                                            "difference {h1} at 2 standard errors)"),
+        ("examples/guess-number/README.md", "with GRPO's seconds VinePPO reaches {seconds}"),
+        ("results/README.md", "GRPO {grpo}, VinePPO {vineppo} at equal iterations ({h1}) and {seconds} at GRPO's "
+                              "seconds ({h2}, against VinePPO), {n} seeds"))),
+    Figure("examples/guess-number/README.md", "2.07× GRPO's training seconds", (AGENT_STUDY,), _cost("guess-number")),
+    Figure("results/agents/README.md", "seed 0's GRPO run peaked at 19.1 GB and its VinePPO run at 22.9 GB, on a "
+           "machine of 24 GB; with the fixes below, seed 1's peaked at 11.0 and 10.7 GB",
            ("results/agents/memory-calculator.json",),
-           lambda m: "GRPO's peaked at {:.1f} GB and VinePPO's at {:.1f} GB".format(
-               m["runs"]["iterations-grpo-s0"]["peak_gb"], m["runs"]["iterations-vineppo-s0"]["peak_gb"])),
+           lambda m: "seed 0's GRPO run peaked at {:.1f} GB and its VinePPO run at {:.1f} GB, on a machine of 24 GB; "
+           "with the fixes below, seed 1's peaked at {:.1f} and {:.1f} GB".format(
+               *(m["runs"][f"iterations-{a}-s{s}"]["peak_gb"] for s in (0, 1) for a in ("grpo", "vineppo")))),
     Figure("results/agents/README.md", "312 of 320 replies", AGENTS[2:3],
            lambda rows: f"{sum(t.startswith(RULES_RESTATED) for t in _replies(rows))} of {len(_replies(rows))} replies"),
-    *(Figure("results/agents/README.md", text, (AGENT_STUDY,), _game_row(name, method))
+    *(Figure("results/agents/README.md", text, (AGENT_STUDY,), _agent_row("guess-number", name, method, ("turns", "cut_off")))
       for name, method, text in (
           ("GRPO", "iterations-grpo",
            "| GRPO | 0.777, 0.930, 0.656 (0.788) | 427, 415, 416 | 160.4, 29.9 | 21.5, 0.0, 20.4 |"),
@@ -453,16 +464,16 @@ FIGURES = [
           ("VinePPO, GRPO's seconds (H2)", "seconds-vineppo", "| VinePPO, GRPO's seconds (H2) | 0.613, 0.605, 0.543 "
            "(0.587) | 505, 427, 438 | 159.4, 36.4 | 22.6, 54.5, 21.6 |"))),
     *(Figure(page, "VinePPO − GRPO = -0.124 ± 0.078 (-0.211, -0.191, +0.031): *not shown*", (AGENT_STUDY,),
-             _game_h("h1")) for page in ("results/agents/README.md", "docs/results.md")),
+             _hypothesis("guess-number", "h1")) for page in ("results/agents/README.md", "docs/results.md")),
     *(Figure(page, "VinePPO − GRPO = -0.201 ± 0.064 (-0.164, -0.324, -0.113): *shown*", (AGENT_STUDY,),
-             _game_h("h2")) for page in ("results/agents/README.md", "docs/results.md")),
+             _hypothesis("guess-number", "h2")) for page in ("results/agents/README.md", "docs/results.md")),
     Figure("results/agents/README.md", "416 s) VinePPO ran 5, 4 and 5 iterations (the budget is checked between "
            "iterations, so the runs passed it by up to 89 s) and reached 0.587", (AGENT_STUDY,), _game_budget),
     Figure("docs/results.md", "seconds VinePPO reached 0.587 in 4-5 iterations", (AGENT_STUDY,),
            lambda study: "seconds VinePPO reached {:.3f} in {}-{} iterations".format(
                (g := study["guess-number"])["final_pass@1"]["seconds-vineppo"]["mean"],
                min(g["iterations"]["seconds-vineppo"]), max(g["iterations"]["seconds-vineppo"]))),
-    *(Figure(page, "2.07× GRPO's training seconds", (AGENT_STUDY,), _game_cost)
+    *(Figure(page, "2.07× GRPO's training seconds", (AGENT_STUDY,), _cost("guess-number"))
       for page in ("results/agents/README.md", "docs/results.md")),
     Figure("results/agents/README.md",
            "peaked at 21.0 GB without either fix, 20.6 GB with the trim alone and 8.8 GB with both",
