@@ -442,3 +442,20 @@ def test_the_studys_memory_log_holds_only_named_runs_and_the_report_names_a_bad_
     done = subprocess.run([sys.executable, str(root / "results/agents/report.py"), "--runs", str(tmp_path),
                            "--out", str(tmp_path), "--memory", str(log)], capture_output=True, text=True)
     assert done.returncode != 0 and f"{log}:2: expected 'RUN KB'" in done.stderr
+
+
+def test_the_memory_report_keeps_the_filed_runs_a_new_log_does_not_hold(tmp_path):
+    """A study continued in a new scratch folder has a new memory.sh log: report.py --memory keeps the samples of
+    the runs already in memory-<task>.json that the log lacks, and takes the log's for the runs it holds."""
+    root = Path(__file__).resolve().parents[1]
+    filed = {"runs": {"iterations-grpo-s0": {"peak_gb": 19.06, "samples_gb": [0.46, 19.06]},
+                      "iterations-grpo-s1": {"peak_gb": 9.0, "samples_gb": [9.0]}}}
+    (tmp_path / "memory-calculator.json").write_text(json.dumps(filed))
+    log = tmp_path / "rss.log"
+    log.write_text("iterations-grpo-s1 2000000\niterations-grpo-s2 3500000\niterations-grpo-s2 1000000\n")
+    subprocess.run([sys.executable, str(root / "results/agents/report.py"), "--runs", str(tmp_path / "none"),
+                    "--out", str(tmp_path), "--memory", str(log)], check=True, capture_output=True)
+    runs = json.loads((tmp_path / "memory-calculator.json").read_text())["runs"]
+    assert {k: (v["peak_gb"], v["samples_gb"]) for k, v in runs.items()} == {
+        "iterations-grpo-s0": (19.06, [0.46, 19.06]), "iterations-grpo-s1": (2.0, [2.0]),
+        "iterations-grpo-s2": (3.5, [3.5, 1.0])}

@@ -76,14 +76,20 @@ def task_result(root: Path, task: str, out: Path) -> dict | None:
 
 
 def memory(log: Path, task: str, out: Path) -> None:
-    """memory.sh's samples as OUT/memory-<task>.json: each run's resident GB every 5 s and its peak."""
+    """memory.sh's samples as OUT/memory-<task>.json: each run's resident GB every 5 s and its peak.
+
+    A run the log does not hold keeps its samples from the file there (a study continued in a new scratch folder).
+    """
     runs: dict[str, list[float]] = {}
     for n, line in enumerate(log.read_text().splitlines(), 1):
         if len(line.split()) != 2 or not line.split()[1].isdigit():
             raise SystemExit(f"{log}:{n}: expected 'RUN KB' as memory.sh writes it, got {line!r}")
         name, kb = line.split()
         runs.setdefault(name, []).append(round(int(kb) / 1e6, 2))
-    (out / f"memory-{task}.json").write_text(json.dumps(
+    filed = out / f"memory-{task}.json"
+    earlier = json.loads(filed.read_text())["runs"] if filed.exists() else {}
+    runs = {**{k: v["samples_gb"] for k, v in earlier.items() if k not in runs}, **runs}
+    filed.write_text(json.dumps(
         {"command": f"bash results/agents/memory.sh $SCRATCH/{log.name} {task} (beside run.py)",
          "unit": "GB (10^9 bytes) resident, one sample every 5 s",
          "runs": {k: {"peak_gb": max(v), "samples_gb": v} for k, v in runs.items()}}) + "\n")

@@ -5,10 +5,12 @@ continues where it stopped; a run's checkpoint is removed after it (the study re
 
     python results/agents/run.py --scratch $SCRATCH [--tasks calculator|guess-number] [--seeds 0,1,2]
     python results/agents/run.py --scratch $SCRATCH --dry      # print the commands only
+    python results/agents/run.py --scratch $SCRATCH --budget-s 1010   # H2's budget set, not GRPO's median
 
 Phases, in order: `release` (`vineppo eval` of the released model, the README's command), `iterations` (each
 method for its train.yaml's 10 iterations), `seconds` (VinePPO with GRPO's budget: the median over seeds of
-GRPO's training seconds in `iterations`; GRPO's equal-seconds run is its `iterations` run). Runs land in
+GRPO's training seconds in `iterations`, or `--budget-s` where GRPO's runs were timed on another machine; GRPO's
+equal-seconds run is its `iterations` run). Runs land in
 $SCRATCH/agents/<task>/<phase>-<method>-s<seed>/ and $SCRATCH/agents/<task>/release.json(l).
 """
 
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--tasks", default=TASKS[0], help=f"comma-separated, of {', '.join(TASKS)}")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--dry", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--budget-s", type=float, help="the seconds phase's budget (default: GRPO's median seconds)")
     args = ap.parse_args()
     seeds = args.seeds.split(",")
     for task in args.tasks.split(","):
@@ -78,7 +81,7 @@ def main() -> None:
         for seed in seeds:
             for algo in ("grpo", "vineppo"):
                 train(task, root / f"iterations-{algo}-s{seed}", algo, seed, [], args.dry)
-        seconds = 0.0 if args.dry else budget(root, seeds)
+        seconds = args.budget_s or (0.0 if args.dry else budget(root, seeds))
         for seed in seeds:
             train(task, root / f"seconds-vineppo-s{seed}", "vineppo", seed,
                   ["--iterations", "1000", "--save-every", "0", "--time-budget-s", f"{seconds:.0f}"], args.dry)
