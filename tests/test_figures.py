@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2)
@@ -28,15 +28,17 @@ SEEDS = (0, 1, 2)
 class Figure:
     page: str  # the page that quotes it, from the repository root
     text: str  # the figure as the page writes it
-    sources: tuple[str, ...]  # the results files it is computed from (JSON, or JSON lines)
+    sources: tuple[str, ...]  # the results files it is computed from (JSON, JSON lines, or a run's config.yaml)
     render: Callable[..., str]  # the parsed sources, in order -> the text
 
 
 def _load(path: Path) -> Any:
-    """A JSON file, or a JSON-lines file as a list of its records."""
+    """A JSON file, a JSON-lines file as a list of its records, or a run's config.yaml."""
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if path.suffix == ".yaml":
+        return yaml.safe_load(text)
     return json.loads(text)
 
 
@@ -294,13 +296,10 @@ def _per_seed_cost(task: str) -> Callable[[dict], str]:
     return render
 
 
-def _budget(task: str, lead: str) -> Callable[[dict], str]:
-    """H2's budget, VinePPO's iterations in it and the overshoot. The budget is run.py's: GRPO's median training
-    seconds, rounded; on the calculator GRPO seed 2's, the one timed on the machine of H2's runs (its protocol)."""
-    def render(study: dict) -> str:
-        g = study[task]
-        grpo = g["train_s"]["iterations-grpo"]
-        budget = float(f"{grpo[2] if task == 'calculator' else statistics.median(grpo):.0f}")
+def _budget(task: str, lead: str) -> Callable[[dict, dict], str]:
+    """H2's budget (the `time_budget_s` its runs were given), VinePPO's iterations in it and the overshoot."""
+    def render(study: dict, config: dict) -> str:
+        g, budget = study[task], config["time_budget_s"]
         its = g["iterations"]["seconds-vineppo"]
         return lead.format(budget) + " VinePPO ran {}, {} and {} iterations (the budget is checked between " \
             "iterations, so the runs passed it by up to {:.0f} s) and reached {:.3f}".format(
@@ -450,7 +449,8 @@ FIGURES = [
       for page in ("results/agents/README.md", "docs/results.md", "examples/calculator/README.md")),
     Figure("results/agents/README.md", "per seed 1.49×, 1.38×, 1.27×", (AGENT_STUDY,), _per_seed_cost("calculator")),
     Figure("results/agents/README.md", "(1010 s, its seed-2 run) VinePPO ran 7, 7 and 8 iterations (the budget is "
-           "checked between iterations, so the runs passed it by up to 72 s) and reached 0.974", (AGENT_STUDY,),
+           "checked between iterations, so the runs passed it by up to 72 s) and reached 0.974",
+           (AGENT_STUDY, "results/agents/runs/calculator/seconds-vineppo-s0/config.yaml"),
            _budget("calculator", "({:.0f} s, its seed-2 run)")),
     Figure("results/agents/README.md", "train reward 0.5625 against 0.5469 at the fifth, test pass@1 0.917 against "
            "0.921 there", tuple(f"results/agents/runs/calculator/{r}-vineppo-s0/metrics.jsonl"
@@ -504,7 +504,8 @@ FIGURES = [
     *(Figure(page, "VinePPO − GRPO = -0.201 ± 0.064 (-0.164, -0.324, -0.113): *shown*", (AGENT_STUDY,),
              _hypothesis("guess-number", "h2")) for page in ("results/agents/README.md", "docs/results.md")),
     Figure("results/agents/README.md", "416 s) VinePPO ran 5, 4 and 5 iterations (the budget is checked between "
-           "iterations, so the runs passed it by up to 89 s) and reached 0.587", (AGENT_STUDY,),
+           "iterations, so the runs passed it by up to 89 s) and reached 0.587",
+           (AGENT_STUDY, "results/agents/runs/guess-number/seconds-vineppo-s0/config.yaml"),
            _budget("guess-number", "{:.0f} s)")),
     Figure("docs/results.md", "seconds VinePPO reached 0.587 in 4-5 iterations", (AGENT_STUDY,),
            lambda study: "seconds VinePPO reached {:.3f} in {}-{} iterations".format(
