@@ -1,7 +1,7 @@
 """An iteration of each algorithm against a GRPO iteration on the main job, from the runs' own metrics.
 
     python benchmarks/iteration.py [--algos vineppo,grpo] [--iterations 6] [--rounds 2] [--threads 2] [--src DIR]
-                                   [--json] [-- TRAIN FLAGS]
+                                   [--device cuda] [--shape qwen2.5-0.5b] [--json] [-- TRAIN FLAGS]
 
 Each round runs `vineppo train --algo A` once for each algorithm A (in turn, one at a time, in fresh
 processes), both from the shipped SFT model with the main job's preset and the same seed, and reads
@@ -12,20 +12,31 @@ iteration and its phases, the tokens it trains on per iteration (the responses, 
 continuations that train too) and per second, and its `ratio_to_grpo` (median iteration over GRPO's; GRPO is
 always run). ``--src`` runs another checkout's
 package (its src/ folder) instead of the installed one, for before/after comparisons; flags after ``--`` go to
-`vineppo train` (e.g. ``-- --mc-k 3``).
+`vineppo train` (e.g. ``-- --mc-k 3``). ``--device`` is `vineppo train`'s (default: its own choice).
+
+``--shape`` times the phases at a named model shape (``benchmarks/shapes.py``), not learning: the runs start from
+random weights of that shape (seed 0, saved once as a model folder with the shipped SFT model's tokenizer), so
+every reward is 0. A random model spreads its probability over the whole vocabulary, so the last 1% of the
+vocabulary's ids are made end-of-sequence tokens: responses end after about 80 tokens (1 - 0.99^160 of them
+before the preset's 160-token cap), as a trained model's do, instead of all running to the cap (an iteration whose
+responses all hit the cap stops the run). Most of its tokens are outside the tokenizer's vocabulary and decode to
+nothing, so its text has no line breaks and VinePPO's states are set 20 tokens apart (``--mc-states tokens:20``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+SFT = Path(__file__).resolve().parents[1] / "src" / "vineppo" / "assets" / "sft-arith"  # its tokenizer, for --shape
 PARTS = ("time/sampling_s", "time/credit_s", "time/update_s")
 TRAINED = "train/trained_tokens"  # response tokens the update trains on in an iteration (with tree rollouts' too)
 
@@ -37,6 +48,8 @@ def run(algo: str, out: Path, args, extra: list[str]) -> list[dict]:
         env["PYTHONPATH"] = str(Path(args.src).resolve())
     cmd = [sys.executable, "-m", "vineppo", "train", "--algo", algo, "--iterations", str(args.iterations),
            "--eval-every", "0", "--save-every", "0", "--seed", str(args.seed), "--out", str(out), "--json", *extra]
+    if getattr(args, "device", ""):
+        cmd += ["--device", args.device]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -57,6 +70,21 @@ def summary(runs: list[list[dict]]) -> dict:
     return out
 
 
+def shaped_model(shape: str, folder: Path) -> Path:
+    """A model folder with random weights of ``shape`` (float32, as a run loads them), the last 1% of its vocabulary's
+    ids end-of-sequence tokens, and the SFT model's tokenizer."""
+    import torch  # torch and transformers (shapes), only for --shape: the runs themselves are subprocesses
+    import shapes
+
+    model = shapes.random_model(shape, torch.device("cpu"), torch.float32)
+    V = model.config.vocab_size
+    model.generation_config.eos_token_id = list(range(V - V // 100, V))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vineppo.json"):
+        shutil.copy(SFT / name, folder / name)
+    return folder
+
+
 def run_arguments(ap: argparse.ArgumentParser) -> None:
     """The flags of a benchmark made of `run`s (this one and dtype.py)."""
     ap.add_argument("--algos", default="vineppo,grpo", help="comma-separated algorithms (grpo is always run)")
@@ -65,6 +93,7 @@ def run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--src", default="", help="a checkout's src/ folder to run instead of the installed package")
+    ap.add_argument("--device", default="", help="vineppo train's --device (default: its own choice)")
     ap.add_argument("--json", action="store_true")
 
 
@@ -73,16 +102,23 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run_arguments(ap)
+    ap.add_argument("--shape", default="", help="random weights of a named shape (benchmarks/shapes.py): phases, not learning")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     names = [a for a in args.algos.split(",") if a and a != "grpo"] + ["grpo"]
     runs: dict[str, list] = {a: [] for a in names}
     with tempfile.TemporaryDirectory() as tmp:
+        flags = extra
+        if args.shape:
+            flags = ["--model", str(shaped_model(args.shape, Path(tmp) / args.shape)), "--mc-states", "tokens:20", *extra]
         for r in range(args.rounds):
             for algo in runs:
-                runs[algo].append(run(algo, Path(tmp) / f"{algo}-{r}", args, extra))
+                runs[algo].append(run(algo, Path(tmp) / f"{algo}-{r}", args, flags))
                 print(f"round {r + 1} {algo}: {summary(runs[algo][-1:])['median_iteration_s']:.2f} s per iteration",
                       file=sys.stderr)
-    res = {"iterations": args.iterations, "rounds": args.rounds, "threads": args.threads, "train_flags": extra,
+    res = {"command": "python benchmarks/iteration.py " + " ".join(argv), "shape": args.shape or None,
+           "device": args.device or None, "iterations": args.iterations, "rounds": args.rounds,
+           "threads": args.threads, "train_flags": extra,
+           "versions": {p: importlib.metadata.version(p) for p in ("torch", "transformers")},
            **{a: summary(runs[a]) for a in names}, "runs": runs}
     for a in names:
         res[a]["ratio_to_grpo"] = res[a]["median_iteration_s"] / res["grpo"]["median_iteration_s"]

@@ -40,6 +40,7 @@ import inspect
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -290,6 +291,7 @@ def main(argv=None):
 
         res = shapes.rollout_report(args.shape, torch.device(args.device), args.decode, args.repeats, args.token_budget,
                                     args.profile_tokens, args.scale)
+        res["command"] = "python benchmarks/rollouts.py " + " ".join(sys.argv[1:] if argv is None else argv)
         if args.json:
             print(json.dumps(res))
             return

@@ -154,8 +154,9 @@ def main() -> None:
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     if args.shape:
-        print(json.dumps(shapes.update_report(args.shape, torch.device(args.device), args.repeats, args.micro_batch,
-                                              args.micro_batch_tokens, args.scale)))
+        res = shapes.update_report(args.shape, torch.device(args.device), args.repeats, args.micro_batch,
+                                   args.micro_batch_tokens, args.scale)
+        print(json.dumps(res | {"command": "python benchmarks/update.py " + " ".join(sys.argv[1:])}))
         return
     if not args.model:
         p.error("--model or --shape is required")

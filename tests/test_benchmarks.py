@@ -1,7 +1,9 @@
 """Every script in benchmarks/ runs, at a tiny size, and prints the JSON object its --json promises: a benchmark
-that breaks fails here, not when someone next needs its figures. About a minute in all on 2 cores."""
+that breaks fails here, not when someone next needs its figures; so does the GPU script, in its CPU smoke mode.
+About two minutes in all on 2 cores."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +33,9 @@ SMOKE = {
     "memory.py": (["--configs", "default", "--layers", "1", "--episodes", "2", "--prompt", "8", "--response", "8",
                    "--micro-batch", "2"], ["rows"]),
     "iteration.py": (["--iterations", "1", "--rounds", "1", "--", *TRAIN], ["vineppo", "grpo"]),
+    "iteration.py --shape": (["--shape", "tiny", "--iterations", "1", "--rounds", "1", "--", *TRAIN],
+                             ["vineppo", "grpo", "versions", "command"]),
+    "sampling.py": (["--rows", "4", "--vocab", "300", "--repeats", "1"], ["rows", "passes_T1.0", "versions"]),
     "dtype.py": (["--iterations", "1", "--rounds", "1", "--", "--config", "arith-tiny", *TRAIN],
                  ["float32", "bfloat16", "speedup_bf16_median_iteration"]),
 }
@@ -69,3 +74,26 @@ def test_the_gpu_script_parses_and_passes_only_flags_its_benchmarks_take():
                                    cwd=ROOT).stdout
         for flag in re.findall(r"(?<!\S)(--[a-z][a-z-]*)", rest):
             assert flag in help_text, f"gpu.sh passes {flag} to {script}, which does not take it"
+
+
+def test_the_gpu_script_in_smoke_mode_runs_every_step_and_writes_every_file(tmp_path):
+    """A GPU is lent for minutes at a time: the script it runs is checked here, every step on the CPU at the tiny
+    shape. Each step's file holds its command and the versions it ran with; the sampling step drew the same samples
+    as torch.multinomial in fewer passes over the logits."""
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    done = subprocess.run(["bash", str(BENCH / "gpu.sh"), str(tmp_path), "smoke"], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = {"sampling", "rollouts-graphs", "rollouts-eager", "update-micro8", "update-tokens", "iteration", "main-job"}
+    assert {p.stem for p in tmp_path.glob("*.json")} == files, (tmp_path / "log.txt").read_text()[-3000:]
+    for name in files:
+        got = json.loads((tmp_path / f"{name}.json").read_text())
+        assert got["command"].split()[0] in ("python", "vineppo") and "torch" in got["versions"], name
+    sampling = json.loads((tmp_path / "sampling.json").read_text())
+    assert all(row["same_samples"] for row in sampling["rows"].values())
+    passes = sampling["passes_T1.0"]
+    assert passes["engine"]["count"] < passes["reference"]["count"]
+    assert passes["engine"]["host_syncs"] < passes["reference"]["host_syncs"]
+    iteration = json.loads((tmp_path / "iteration.json").read_text())
+    assert set(iteration) >= {"vineppo", "vineppo-tree", "grpo"} and iteration["shape"] == "tiny"
+    assert json.loads((tmp_path / "main-job.json").read_text())["summary"]["iterations"] == 1

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from vineppo.engine import TOP_K, Engine, Request, Sample, SamplingParams
-from vineppo.engine.sampling import sample
+from vineppo.engine.sampling import draw, sample
 from vineppo.models import cache_keyword
 
 torch.set_num_threads(1)
@@ -246,6 +246,39 @@ def test_top_p_on_a_flat_row_widens_the_window_and_stays_exact(spread):
     assert _chi2_gof(counts, probs) > 1e-3
     if wide:  # the test can fail: a window cut at TOP_K would never draw the nucleus's tail
         assert counts[TOP_K:].sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1.0, 0.6, 1.3])
+def test_sampling_draws_what_torch_multinomial_draws_bit_for_bit(dtype, T):
+    """The step's own draw (no checks of the whole tensor, in place) against the same step through
+    torch.multinomial, from generators of the same seed: the same tokens and log-probs, to the bit. Top-p's
+    window is drawn by the same ``draw``, checked here on unnormalised probabilities with zeros (its cut)."""
+    for seed, (N, V) in enumerate([(3, 50), (64, 1000), (16, 32000)]):
+        logits = (3 * torch.randn(N, V, generator=torch.Generator().manual_seed(seed))).to(dtype)
+        before = logits.clone()
+        x = logits.float() / T
+        lse = torch.logsumexp(x, -1, keepdim=True)
+        want = torch.multinomial((x - lse).exp(), 1, generator=torch.Generator().manual_seed(seed)).view(-1)
+        tok, lp = sample(logits, SamplingParams(temperature=T, top_p=1.0, max_new_tokens=1),
+                         torch.Generator().manual_seed(seed))
+        assert torch.equal(tok, want), (N, V)
+        assert torch.equal(lp, (x.gather(1, want.view(-1, 1)) - lse).view(-1))
+        sample(logits, SamplingParams(temperature=T, top_p=0.9, max_new_tokens=1), torch.Generator())
+        assert torch.equal(logits, before), "sampling must not write into the model's logits"
+    probs = torch.rand(32, 500, generator=torch.Generator().manual_seed(5))
+    for seed in range(5):
+        p = probs.masked_fill(probs < 0.5, 0.0)
+        want = torch.multinomial(p, 1, generator=torch.Generator().manual_seed(seed)).view(-1)
+        assert torch.equal(draw(p.clone(), torch.Generator().manual_seed(seed)), want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sampling_from_logits_that_are_not_finite_stops_with_one_line(bad):
+    logits = torch.randn(6, 40)
+    logits[[1, 4], 3] = bad
+    with pytest.raises(FloatingPointError, match=r"NaN or infinite in 2 of 6 rows"):
+        sample(logits, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=1), torch.Generator())
 
 
 def test_continuations_match_reencoded_prefix_greedy(model, tok):

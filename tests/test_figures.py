@@ -189,6 +189,32 @@ def _trl_row(u: dict) -> str:
             f"**{u['vineppo_over_trl']:.2f}×** TRL ({min(runs):.2f}-{max(runs):.2f}) |")
 
 
+GPU_ROLLOUTS = tuple(f"results/benchmarks/gpu/rollouts-{d}.json" for d in ("graphs", "eager"))
+SAMPLING = "results/benchmarks/sampling/cpu.json"
+
+
+def _gpu_row(r: dict) -> str:
+    g, m = r["generate"], r["monte_carlo"]
+    return (f"{r['token_budget']:,} | {g['tokens_per_s']:,.0f} tok/s | {m['tokens_per_s']:,.0f} tok/s | "
+            f"{g['gpu_busy']:.0%} / {m['gpu_busy']:.0%} |")
+
+
+def _sampling(r: dict) -> str:
+    passes = {t: r[f"passes_T{t}"] for t in ("1.0", "0.6")}
+    one = passes["1.0"]
+    x = {k: v["speedup"] for k, v in r["rows"].items()}
+    s = r["rows"]["64_T1.0"]["seconds"]
+    assert all(v["same_samples"] for v in r["rows"].values())
+    return (f"{one['engine']['count']} passes over the logits and {one['engine']['host_syncs']} host synchronisation "
+            f"instead of {one['reference']['count']} and {one['reference']['host_syncs']} at T = 1, "
+            f"{passes['0.6']['engine']['count']} passes instead of {passes['0.6']['reference']['count']} at T = 0.6 "
+            f"(float32 logits; a bf16 model's add one pass to both, the copy to float32; `benchmarks/sampling.py`, "
+            f"which also checks the samples agree). On this {r['threads']}-core CPU, where the Exp(1) variates alone "
+            f"take {s['exponential'] / s['engine']:.2f} of the new step ({s['exponential'] * 1e3:.0f} of "
+            f"{s['engine'] * 1e3:.0f} ms at 64 rows), that is {x['64_T1.0']:.2f}× at 64 rows and "
+            f"{x['512_T1.0']:.2f}× at 512 (T = 1; {x['64_T0.6']:.2f}× and {x['512_T0.6']:.2f}× at T = 0.6;")
+
+
 EXAMPLES = "results/examples/results.json"
 
 
@@ -360,6 +386,15 @@ FIGURES = [
            "of the limit (0.77-0.89) |", (UPDATE,), _update_row),
     Figure("docs/performance.md", "| GRPO iteration, completion tokens/s (sampling 0.49 s + update 1.42 s) | 2,447 | "
            "TRL 1.16 `GRPOTrainer` 1,258 | **1.95×** TRL (1.85-2.04) |", (UPDATE,), _trl_row),
+    Figure("docs/performance.md", "5,436,967 (from free memory) | 68,436 tok/s | 88,299 tok/s | 79% / 84% |",
+           GPU_ROLLOUTS[:1], lambda r: _gpu_row(r).replace(" |", " (from free memory) |", 1)),
+    Figure("docs/performance.md", "| 262,144 | 20,317 tok/s | 15,469 tok/s | 17% / 13% |", GPU_ROLLOUTS[1:],
+           lambda r: "| " + _gpu_row(r)),
+    Figure("docs/performance.md", "9 passes over the logits and 1 host synchronisation instead of 12 and 2 at T = 1, "
+           "10 passes instead of 12 at T = 0.6 (float32 logits; a bf16 model's add one pass to both, the copy to "
+           "float32; `benchmarks/sampling.py`, which also checks the samples agree). On this 2-core CPU, where the "
+           "Exp(1) variates alone take 0.81 of the new step (143 of 177 ms at 64 rows), that is 1.11× at 64 rows and "
+           "1.10× at 512 (T = 1; 1.05× and 1.04× at T = 0.6;", (SAMPLING,), _sampling),
     Figure("docs/models-and-gpus.md", "GRPO 0.168 → 0.525, VinePPO 0.168 → 0.475", RERUN, _rerun),
     Figure("README.md", "0.244 → 0.685 (GRPO) and 0.720 (VinePPO) in about 7 minutes of run", (REAL,) + F32,
            lambda real, g, v, gs, vs: f"{real['base']['strict']:.3f} → {g['pass@1']:.3f} (GRPO) and "

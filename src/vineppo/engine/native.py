@@ -22,11 +22,12 @@ HOW IT WORKS (one job per file)
    attention (``attention.py``) reads each prefix in the store once for all its copies (split) or each row's
    buffer (ring), and packs a key/value head's query heads into one attention. Finished rows (EOS, stop
    string, length; ``stops.py``) are masked out at once.
-5. Sample (``sampling.py``). Top-p first looks at the ``TOP_K`` most likely tokens; when they hold ``top_p``
-   of the mass (as usual at T < 1) the nucleus is among them and a full sort of the vocabulary is skipped.
+5. Sample (``sampling.py``: as few passes over [rows, vocabulary] as the same draws allow). Top-p first looks at
+   the ``TOP_K`` most likely tokens; when they hold ``top_p`` of the mass (as usual at T < 1) the nucleus is among
+   them and a full sort of the vocabulary is skipped.
 
-DETERMINISM. All randomness comes from ``generator`` (``torch.multinomial``). On CPU, the same inputs,
-parameters, budget and seed give the same samples. The batch composition depends on the inputs and on
+DETERMINISM. All randomness comes from ``generator`` (``sampling.draw``, torch.multinomial's draw). On CPU, the
+same inputs, parameters, budget and seed give the same samples. The batch composition depends on the inputs and on
 ``token_budget``: a different budget (or a different job around a prompt) changes which rows share a
 batch and how much left padding they get; this does not change the distribution, but it changes which
 random numbers a given row draws, and (on GPU especially, where kernels depend on shapes) the float sums

@@ -1,0 +1,116 @@
+"""Benchmark of the engine's sampling step against the same draw through ``torch.multinomial``.
+
+    python benchmarks/sampling.py [--device cpu|cuda] [--rows 64,512] [--vocab 151936] [--repeats 9] [--json]
+
+Workload: random logits [rows, vocab] in the model's dtype (bfloat16 on CUDA, float32 on CPU), at T = 1 and
+top-p 1 (the GPU benchmark's settings: the whole vocabulary, the passes this step makes) and at T = 0.6, top-p 1.
+``reference`` is the engine's step as it was with ``torch.multinomial`` (a float32 copy, the division by T,
+logsumexp, the probabilities, then multinomial, which checks the whole tensor before its draw); ``engine`` is
+``vineppo.engine.sampling.sample``. Both draw from generators with the same seed, and the benchmark checks they
+draw the same tokens and log-probs (``same_samples``). Seconds per call: the median of --repeats calls of each,
+alternating, after a warm-up of each; ``exponential``: the draw's random numbers alone (what both must spend).
+``passes``: the operators over [rows, vocab] each runs (from the profiler,
+a 64-row call), and its host synchronisations (``aten::item``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from common import set_threads
+from shapes import device_name, versions
+from vineppo.engine.api import SamplingParams
+from vineppo.engine.sampling import sample
+
+
+def reference(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+    """The step before this benchmark's change, for top-p 1: probabilities in full, then torch.multinomial."""
+    x = logits.float() / params.temperature
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    tok = torch.multinomial((x - lse).exp(), 1, generator=generator).view(-1)
+    return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1)
+
+
+def exponential(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+    """The draw's random numbers alone: one Exp(1) variate per entry of a float32 [rows, vocab] tensor."""
+    return torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, logits, params, device, seed: int) -> tuple[float, tuple]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    sync_device(device)
+    t0 = time.perf_counter()
+    out = fn(logits, params, g)
+    sync_device(device)
+    return time.perf_counter() - t0, out
+
+
+KERNELS = {"aten::_to_copy", "aten::div", "aten::div_", "aten::amax", "aten::sub", "aten::exp", "aten::exp_",
+           "aten::sum", "aten::aminmax", "aten::exponential_", "aten::argmax"}  # operators that pass over a tensor
+
+
+def passes(fn, logits, params, device) -> dict:
+    """The passes of one call over [rows, vocab] tensors (operators in KERNELS, nested ones included), and its
+    host synchronisations."""
+    from torch.profiler import profile  # the profiler, only for this count
+
+    with profile(record_shapes=True) as prof:
+        fn(logits, params, torch.Generator(device=device).manual_seed(0))
+    big = list(logits.shape)
+    ops = [e.name.removeprefix("aten::") for e in prof.events()
+           if e.name in KERNELS and any(list(s) == big for s in e.input_shapes if s)]
+    syncs = sum(e.name == "aten::item" for e in prof.events())
+    return {"ops": ops, "count": len(ops), "host_syncs": syncs}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rows", default="64,512", help="comma-separated row counts")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: every core)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    threads = set_threads(args.threads)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    res = {"command": "python benchmarks/sampling.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "device": device_name(device), "threads": threads, "dtype": str(dtype).split(".")[1],
+           "vocab": args.vocab, "repeats": args.repeats, "versions": versions(), "rows": {}}
+    for T in (1.0, 0.6):
+        params = SamplingParams(temperature=T, top_p=1.0, max_new_tokens=1)
+        small = torch.randn(64, args.vocab, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        res[f"passes_T{T}"] = {"reference": passes(reference, small, params, device),
+                               "engine": passes(sample, small, params, device)}
+        for n in map(int, args.rows.split(",")):
+            logits = (2 * torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n))).to(device, dtype)
+            same, secs = True, {"reference": [], "engine": [], "exponential": []}
+            for rep in range(args.repeats + 1):
+                (a_s, a), (b_s, b), (c_s, _) = (timed(f, logits, params, device, rep)
+                                                for f in (reference, sample, exponential))
+                same &= torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                if rep:  # the first of each is a warm-up
+                    for k, v in zip(secs, (a_s, b_s, c_s)):
+                        secs[k].append(v)
+            med = {k: statistics.median(v) for k, v in secs.items()}
+            res["rows"][f"{n}_T{T}"] = {"rows": n, "temperature": T, "same_samples": same, "seconds": med,
+                                        "speedup": med["reference"] / med["engine"], "runs_s": secs}
+            print(f"{n} rows, T {T}: reference {med['reference'] * 1e3:.1f} ms, engine {med['engine'] * 1e3:.1f} ms "
+                  f"({med['reference'] / med['engine']:.2f}x), same samples: {same}", file=sys.stderr)
+    print(json.dumps(res) if args.json else json.dumps({k: v for k, v in res.items() if k != "versions"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
