@@ -4,8 +4,8 @@
 # Every step writes its own JSON file (with its command and versions), so a failed step loses only its own result;
 # log.txt says what ran and when. Nothing is downloaded: random weights of Qwen2.5-0.5B's shape, the shipped SFT model.
 #  1. sampling: the engine's sampling step against the same draw through torch.multinomial (rows of both workloads);
-#  2. rollouts: the engine on the generate and Monte Carlo workloads, CUDA graphs (budget from free memory), then
-#     eager steps at a budget of 262,144;
+#  2. rollouts: the engine on the generate and Monte Carlo workloads, CUDA graphs (budget from free memory), the same
+#     with the sampling step compiled (Engine(fused_sampling=True)), then eager steps at a budget of 262,144;
 #  3. update: one PPO update at the shape, micro-batches of 8 episodes, then cut by tokens;
 #  4. iteration: VinePPO, VinePPO with tree rollouts and GRPO iterations at the shape, the main job's preset with the
 #     engine's budget from free memory and micro-batches cut by tokens (random weights: rewards are 0, the phases are
@@ -32,12 +32,15 @@ step() { echo "== $(date +%T) $*" | tee -a "$log"; }
 step "mode $mode, device $dev, shape $shape"
 [ "$dev" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log" 2>&1
 $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
-[ "$dev" = cuda ] && { step tests; $py -m pytest -p no:cacheprovider -q tests/test_engine.py -k "cuda or ring or bit_for_bit" >>"$log" 2>&1; }
+[ "$dev" = cuda ] && { step tests; $py -m pytest -p no:cacheprovider -q tests/test_engine.py -k "cuda or ring or bit_for_bit or fused" >>"$log" 2>&1; }
 step sampling
 $py benchmarks/sampling.py --device "$dev" --rows "$rows" --vocab "$vocab" --json >"$out/sampling.json" 2>>"$log"
 step rollouts graphs
 $py benchmarks/rollouts.py --shape "$shape" --device "$dev" --repeats "$reps" --scale "$scale" --json \
     >"$out/rollouts-graphs.json" 2>>"$log"
+step rollouts graphs, fused sampling
+$py benchmarks/rollouts.py --shape "$shape" --device "$dev" --repeats "$reps" --scale "$scale" --fused-sampling \
+    --json >"$out/rollouts-graphs-fused.json" 2>>"$log"
 if [ "$mode" != short ]; then
   step rollouts eager
   $py benchmarks/rollouts.py --shape "$shape" --device "$dev" --decode split --token-budget 262144 --repeats 1 \

@@ -3,6 +3,7 @@
     python benchmarks/rollouts.py [--json] [--model DIR|FILE.gguf|HUB_ID] [--engine native|vllm]
                                   [--naive-fraction 0.2] [--threads N] [--repeats 3] [--prompts 64] [--max-new-tokens N]
     python benchmarks/rollouts.py --shape qwen2.5-0.5b --device cuda [--decode graphs|split] [--token-budget N]
+                                  [--fused-sampling]
 
 With ``--shape``: random weights of a named shape on ``--device``, the generate and Monte Carlo workloads of
 ``benchmarks/shapes.py`` (its docstring says what is measured); the rest of this docstring is the CPU benchmark.
@@ -265,6 +266,7 @@ def _arguments(argv):
     ap.add_argument("--token-budget", type=int, default=0, help="with --shape: the engine's budget (0: auto)")
     ap.add_argument("--profile-tokens", type=int, default=64, help="with --shape on CUDA: new tokens of the profiled job")
     ap.add_argument("--scale", type=float, default=1.0, help="with --shape: workload size (< 1: a smoke run)")
+    ap.add_argument("--fused-sampling", action="store_true", help="with --shape: the sampling step compiled (fused)")
     return ap.parse_args(argv)
 
 
@@ -289,8 +291,9 @@ def main(argv=None):
         # the engine modules shapes.py uses
         import shapes
 
-        res = shapes.rollout_report(args.shape, torch.device(args.device), args.decode, args.repeats, args.token_budget,
-                                    args.profile_tokens, args.scale)
+        res = shapes.rollout_report(shapes.RolloutBench(args.shape, torch.device(args.device), args.decode, args.repeats,
+                                                        args.token_budget, args.profile_tokens, args.scale,
+                                                        args.fused_sampling))
         res["command"] = "python benchmarks/rollouts.py " + " ".join(sys.argv[1:] if argv is None else argv)
         if args.json:
             print(json.dumps(res))

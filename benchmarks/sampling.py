@@ -6,8 +6,10 @@ Workload: random logits [rows, vocab] in the model's dtype (bfloat16 on CUDA, fl
 top-p 1 (the GPU benchmark's settings: the whole vocabulary, the passes this step makes) and at T = 0.6, top-p 1.
 ``reference`` is the engine's step as it was with ``torch.multinomial`` (a float32 copy, the division by T,
 logsumexp, the probabilities, then multinomial, which checks the whole tensor before its draw); ``engine`` is
-``vineppo.engine.sampling.sample``. Both draw from generators with the same seed, and the benchmark checks they
-draw the same tokens and log-probs (``same_samples``). Seconds per call: the median of --repeats calls of each,
+``vineppo.engine.sampling.sample``; ``fused`` is that step compiled (``fused=True``: the same race, another
+rounding). All draw from generators with the same seed; the benchmark checks the engine's draws the same tokens
+and log-probs as the reference (``same_samples``) and reports the share of tokens the fused step draws alike
+(``fused_same_token_share``) and its largest log-prob difference on those (``fused_logprob_max_error``). Seconds per call: the median of --repeats calls of each,
 alternating, after a warm-up of each; ``exponential``: the draw's random numbers alone (what both must spend).
 ``passes``: the operators over [rows, vocab] each runs (from the profiler,
 a 64-row call), and its host synchronisations (``aten::item``).
@@ -35,6 +37,11 @@ def reference(logits: torch.Tensor, params: SamplingParams, generator: torch.Gen
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     tok = torch.multinomial((x - lse).exp(), 1, generator=generator).view(-1)
     return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1)
+
+
+def fused(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+    """The engine's step compiled (``Engine(fused_sampling=True)``)."""
+    return sample(logits, params, generator, fused=True)
 
 
 def exponential(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
@@ -94,21 +101,29 @@ def main(argv=None):
         small = torch.randn(64, args.vocab, generator=torch.Generator().manual_seed(0)).to(device, dtype)
         res[f"passes_T{T}"] = {"reference": passes(reference, small, params, device),
                                "engine": passes(sample, small, params, device)}
+        fused(small, params, torch.Generator(device=device))  # compiled outside the profile
         for n in map(int, args.rows.split(",")):
             logits = (2 * torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n))).to(device, dtype)
-            same, secs = True, {"reference": [], "engine": [], "exponential": []}
+            same, agree, lp_err = True, [], 0.0
+            secs = {"reference": [], "engine": [], "fused": [], "exponential": []}
             for rep in range(args.repeats + 1):
-                (a_s, a), (b_s, b), (c_s, _) = (timed(f, logits, params, device, rep)
-                                                for f in (reference, sample, exponential))
+                (a_s, a), (b_s, b), (f_s, f), (c_s, _) = (timed(fn, logits, params, device, rep)
+                                                          for fn in (reference, sample, fused, exponential))
                 same &= torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                if rep:  # the first of each is a warm-up
-                    for k, v in zip(secs, (a_s, b_s, c_s)):
+                agree.append((f[0] == a[0]).float().mean().item())
+                lp_err = max(lp_err, (f[1] - a[1])[f[0] == a[0]].abs().max().item())
+                if rep:  # the first of each is a warm-up (the fused step's compiles there)
+                    for k, v in zip(secs, (a_s, b_s, f_s, c_s)):
                         secs[k].append(v)
             med = {k: statistics.median(v) for k, v in secs.items()}
             res["rows"][f"{n}_T{T}"] = {"rows": n, "temperature": T, "same_samples": same, "seconds": med,
-                                        "speedup": med["reference"] / med["engine"], "runs_s": secs}
+                                        "speedup": med["reference"] / med["engine"],
+                                        "fused_speedup": med["reference"] / med["fused"],
+                                        "fused_same_token_share": statistics.mean(agree),
+                                        "fused_logprob_max_error": lp_err, "runs_s": secs}
             print(f"{n} rows, T {T}: reference {med['reference'] * 1e3:.1f} ms, engine {med['engine'] * 1e3:.1f} ms "
-                  f"({med['reference'] / med['engine']:.2f}x), same samples: {same}", file=sys.stderr)
+                  f"({med['reference'] / med['engine']:.2f}x, same samples: {same}), fused {med['fused'] * 1e3:.1f} ms "
+                  f"({med['reference'] / med['fused']:.2f}x, same tokens {statistics.mean(agree):.4f})", file=sys.stderr)
     print(json.dumps(res) if args.json else json.dumps({k: v for k, v in res.items() if k != "versions"}, indent=1))
 
 

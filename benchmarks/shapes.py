@@ -1,6 +1,6 @@
 """Benchmarks on random weights of a named model shape, on any device (nothing is downloaded).
 
-    python benchmarks/rollouts.py --device cuda --shape qwen2.5-0.5b [--decode graphs|split] [--json]
+    python benchmarks/rollouts.py --device cuda --shape qwen2.5-0.5b [--decode graphs|split] [--fused-sampling] [--json]
     python benchmarks/update.py --device cuda --shape qwen2.5-0.5b [--json]
 
 Rollouts (``rollout_report``): the two workloads of the native engine, at T = 1, top-p 1 (a random model never emits
@@ -140,15 +140,31 @@ def matmul_tflops(device: torch.device) -> float:
     return 2 * 8192**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
-def rollout_report(shape: str, device: torch.device, decode: str, repeats: int, token_budget: int = 0,
-                   profile_tokens: int = 64, scale: float = 1.0) -> dict:
+@dataclasses.dataclass
+class RolloutBench:
+    """What ``rollout_report`` measures (rollouts.py's flags with --shape)."""
+
+    shape: str  # a key of SHAPES
+    device: torch.device
+    decode: str = "auto"  # the engine's decode path: auto | split | ring | graphs
+    repeats: int = 3  # timed jobs per workload, after a warm-up job
+    token_budget: int = 0  # the engine's budget (0: from free memory)
+    profile_tokens: int = 64  # new tokens of the profiled job on CUDA (0: no profile)
+    scale: float = 1.0  # workload size (< 1: a smoke run)
+    fused_sampling: bool = False  # the engine's sampling step compiled (Engine(fused_sampling=True))
+
+
+def rollout_report(b: RolloutBench) -> dict:
     """Tokens/s of the engine on both workloads, the budget it used, captures, and (CUDA) the GPU's busy share."""
-    model = random_model(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    budget, line = (token_budget, f"token budget {token_budget:,} (given)") if token_budget else auto_token_budget(model)
-    engine = Engine(model, NullTok(), token_budget=budget, decode=decode)
-    res = dict(shape=shape, device=device_name(device), decode=engine.decode, token_budget=budget, budget_line=line,
-               kv_bytes_per_token=kv_bytes_per_token(model), versions=versions())
-    for w in workloads(model.config.vocab_size, scale):
+    device = b.device
+    model = random_model(b.shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    budget, line = (b.token_budget, f"token budget {b.token_budget:,} (given)") if b.token_budget \
+        else auto_token_budget(model)
+    engine = Engine(model, NullTok(), token_budget=budget, decode=b.decode, fused_sampling=b.fused_sampling)
+    res = dict(shape=b.shape, device=device_name(device), decode=engine.decode, token_budget=budget, budget_line=line,
+               fused_sampling=b.fused_sampling, kv_bytes_per_token=kv_bytes_per_token(model), versions=versions())
+    repeats, profile_tokens = b.repeats, b.profile_tokens
+    for w in workloads(model.config.vocab_size, b.scale):
         first = run_job(engine, w)  # warm-up: captures the graphs this workload needs
         runs = [run_job(engine, w) for _ in range(repeats)]
         speeds = [t / s for t, s in runs]

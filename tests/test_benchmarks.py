@@ -84,7 +84,7 @@ def test_the_gpu_script_in_smoke_mode_runs_every_step_and_writes_every_file(tmp_
     done = subprocess.run(["bash", str(BENCH / "gpu.sh"), str(tmp_path), "smoke"], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    files = {"sampling", "rollouts-graphs", "rollouts-eager", "update-micro8", "update-tokens", "iteration", "main-job"}
+    files = {"sampling", "rollouts-graphs", "rollouts-graphs-fused", "rollouts-eager", "update-micro8", "update-tokens", "iteration", "main-job"}
     assert {p.stem for p in tmp_path.glob("*.json")} == files, (tmp_path / "log.txt").read_text()[-3000:]
     for name in files:
         got = json.loads((tmp_path / f"{name}.json").read_text())

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -271,6 +272,46 @@ def test_sampling_draws_what_torch_multinomial_draws_bit_for_bit(dtype, T):
         p = probs.masked_fill(probs < 0.5, 0.0)
         want = torch.multinomial(p, 1, generator=torch.Generator().manual_seed(seed)).view(-1)
         assert torch.equal(draw(p.clone(), torch.Generator().manual_seed(seed)), want)
+
+
+COMPILER = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")  # torch.compile's CPU kernels
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("T,top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.7)])
+def test_fused_sampling_draws_the_same_distribution_and_repeats_for_a_seed(T, top_p, device):
+    """The compiled step runs the same race in another rounding: its frequencies follow softmax(x / T) (or its
+    nucleus), its log-probs are the full softmax's, a seed repeats its draws, and it draws the eager step's token in
+    almost every row."""
+    if device == "cpu" and COMPILER is None:
+        pytest.skip("torch.compile needs a C++ compiler for CPU kernels")
+    V, n = 400, 20000
+    logits = 1.5 * torch.randn(V, generator=torch.Generator().manual_seed(3))
+    rows = logits.expand(n, V).contiguous().to(device)
+    params = SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1)
+    draw_ = lambda fused: sample(rows, params, torch.Generator(device=device).manual_seed(0), fused=fused)  # noqa: E731
+    (tok, lp), (again, _), (eager, _) = draw_(True), draw_(True), draw_(False)
+    assert torch.equal(tok, again)
+    assert (tok == eager).float().mean() > 0.99
+    tok, lp = tok.cpu(), lp.cpu()
+    assert torch.allclose(lp, torch.log_softmax(logits / T, -1)[tok], atol=1e-5)
+    counts = np.bincount(tok.numpy(), minlength=V)
+    assert _chi2_gof(counts, _nucleus(logits, T, top_p)) > 1e-3
+    if T != 1.0:  # the test can fail: the same counts reject the distribution at T = 1
+        assert _chi2_gof(counts, torch.softmax(logits.double(), -1).numpy()) < 1e-3
+
+
+@pytest.mark.skipif(COMPILER is None, reason="torch.compile needs a C++ compiler for CPU kernels")
+def test_an_engine_with_fused_sampling_draws_almost_the_recorded_samples(tok, monkeypatch):
+    """The recorded workload's jobs through Engine(fused_sampling=True): the same race, so the same samples except
+    where rounding flips a near-tie (and every later token of that sample)."""
+    eager = [s[0] for name, tree in recorded_workload(tok).items() for s in _samples(tree)]
+    init = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "fused_sampling": True}))
+    fused = [s[0] for name, tree in recorded_workload(tok).items() for s in _samples(tree)]
+    assert len(eager) == len(fused) > 100
+    assert sum(x == y for x, y in zip(eager, fused)) / len(eager) > 0.9
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -57,7 +57,7 @@ class Job:
         if self.batch.N == 0:
             return bool(self.plan.queue)
         logits = self.engine.forward(self.batch)
-        tok, lp = sample(logits, self.req.params, self.req.generator)
+        tok, lp = sample(logits, self.req.params, self.req.generator, self.engine.fused_sampling)
         self.batch.step(tok, lp)
         self.finisher.check(self.batch, tok)
         return True
@@ -69,7 +69,7 @@ class Job:
             if u.group not in groups:
                 groups[u.group] = self.engine.prefill(self.plan.groups[u.group], self.req.sequences, self.req.boundaries)
         logits = torch.cat([groups[u.group].first_logits(u) for u in units])
-        tok0, lp0 = sample(logits, self.req.params, self.req.generator)  # first tokens come from the prefill logits
+        tok0, lp0 = sample(logits, self.req.params, self.req.generator, self.engine.fused_sampling)  # from the prefill
         live = batch.N - len(batch.dead)
         if schedule.fits_in_place(batch, units, self.engine.token_budget, self.req.params.max_new_tokens):
             rows = batch.fill(units, groups, tok0, lp0)

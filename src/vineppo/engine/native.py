@@ -63,15 +63,17 @@ class Engine:
 
     logprobs_are_the_policys = True  # Sample.logprobs: log_softmax(logits / T) of ``model``, what PPO's ratio needs
 
-    def __init__(self, model, tokenizer, token_budget: int = 65536, decode: str = "auto"):
+    def __init__(self, model, tokenizer, token_budget: int = 65536, decode: str = "auto", fused_sampling: bool = False):
         """``decode``: ``split`` (eager steps over the split layout, ``split.py``), ``graphs`` (CUDA graphs over the
         ring layout, ``ring.py``; CUDA only), ``ring`` (the ring's steps run eagerly: the graphs' computation on
-        any device) or ``auto`` (graphs on CUDA, split elsewhere)."""
+        any device) or ``auto`` (graphs on CUDA, split elsewhere). ``fused_sampling``: the sampling step compiled
+        into fused kernels (``sampling.py`` says what changes)."""
         if decode not in DECODE:
             raise ValueError(f"decode must be one of {', '.join(DECODE)}, got {decode!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.token_budget = int(token_budget)
+        self.fused_sampling = fused_sampling
         self.cache_kw = cache_keyword(model)
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(pretrained(model).forward).parameters
         self.eos_token_ids = eos_token_ids(model, tokenizer)

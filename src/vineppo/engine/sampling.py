@@ -5,9 +5,18 @@ vocabulary and hundreds of rows these passes are a good share of a GPU step. So 
 the samples allow: ``torch.multinomial``'s own draw (an Exp(1) variate per entry, the argmax of p / q) without its
 checks of the whole tensor (three more passes and two host synchronisations a step), the operations in place,
 and no division at T = 1. The samples are those ``torch.multinomial`` draws, bit for bit, for the same generator.
+
+``fused=True`` (``Engine(fused_sampling=True)``) compiles the step with ``torch.compile`` instead: the division by
+T, logsumexp and the draw read the logits in one or two kernels, and no [rows, vocabulary] float32 copy is made
+at top-p 1 (at top-p < 1 one is, for the top-k window). Its draw is the same race (the argmax of x - log q, q ~
+Exp(1) from the generator) in another order of rounding, so it draws from the same distribution but not always
+the same tokens as the eager step; the same seed on the same device gives the same samples. The first call
+compiles (seconds; a new temperature compiles again).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,15 +26,23 @@ TOP_K = 32  # top-p sampling first tries the TOP_K most likely tokens (exact whe
 WIDEN = 8  # else it widens the window by this factor until the window holds top_p (a full sort is the last resort)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, fused: bool = False):
     """Sample one token per row; return (tokens [N], log-probs [N] before top-p, float32)."""
     T = params.temperature
     if T <= 0:
         lp_all = torch.log_softmax(logits.float(), dim=-1)
         tok = lp_all.argmax(dim=-1)
         return tok, lp_all.gather(1, tok.view(-1, 1)).view(-1)
-    x = logits.float() / T if T != 1 else logits.float()  # x / 1 is x: no pass
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log-probs are x - lse: no [N, V] log-softmax is kept
+    if fused and params.top_p >= 1.0:
+        q = torch.empty(logits.shape, device=generator.device if generator is not None else logits.device)
+        tok, lp, lse = _compiled(_race)(logits, q.exponential_(generator=generator).to(logits.device), float(T))
+        check_finite(lse)
+        return tok, lp
+    if fused:
+        x, lse = _compiled(_scaled)(logits, float(T))
+    else:
+        x = logits.float() / T if T != 1 else logits.float()  # x / 1 is x: no pass
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log-probs are x - lse: no [N, V] log-softmax is kept
     check_finite(lse)
     if params.top_p < 1.0:
         top_lp, top_idx = _nucleus_window(x, lse, params.top_p)
@@ -38,6 +55,27 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     else:
         tok = draw(torch.sub(x, lse).exp_(), generator)
     return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1)
+
+
+def _scaled(logits: torch.Tensor, T: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = logits / T in float32, and its logsumexp per row (one kernel once compiled)."""
+    x = logits.float() / T
+    return x, torch.logsumexp(x, dim=-1, keepdim=True)
+
+
+def _race(logits: torch.Tensor, q: torch.Tensor, T: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exponential race on x = logits / T: argmax(x - log q) is drawn with probability softmax(x); its log-prob
+    and the rows' logsumexp. Compiled, x is never written out."""
+    x = logits.float() / T
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    tok = (x - q.log()).argmax(dim=-1)
+    return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1), lse
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` under torch.compile, for any number of rows (compiled on its first call)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def _nucleus_window(x: torch.Tensor, lse: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
