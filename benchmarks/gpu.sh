@@ -11,8 +11,8 @@
 #     engine's budget from free memory and micro-batches cut by tokens (random weights: rewards are 0, the phases are
 #     timed, not learning; benchmarks/iteration.py --shape says how);
 #  5. the main job (`vineppo train --device cuda`): its summary and metrics.
-# Modes: full (default; about 10 minutes on an H100), short (one timed repeat, no eager path and one update,
-# 2 iterations: one 10-minute call with room to spare), smoke (every step on the CPU at the tiny shape, workloads
+# Modes: full (default), short (one timed repeat, no eager path and one update, 2 iterations: meant for one
+# 10-minute call; neither mode has been timed on a GPU yet), smoke (every step on the CPU at the tiny shape, workloads
 # scaled down: checks the script, measures nothing).
 set -uo pipefail
 out=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [full|short|smoke]}
