@@ -7,7 +7,7 @@ checks of the whole tensor (three more passes and two host synchronisations a st
 and no division at T = 1. The samples are those ``torch.multinomial`` draws, bit for bit, for the same generator.
 Finished rows still in the batch are sampled too: drawing for the running rows alone would hand each row other
 variates (the draw covers the whole [rows, vocabulary] tensor) and so change every seeded run's samples, for rows
-that are at most a quarter of the batch (``schedule.SHED_FRACTION``) before a rebuild sheds them.
+that are about a quarter of the batch at most (``schedule.SHED_FRACTION``) before a rebuild sheds them.
 
 ``fused=True`` (``Engine(fused_sampling=True)``) compiles the step with ``torch.compile`` instead: the division by
 T, logsumexp and the draw read the logits in one or two kernels, and no [rows, vocabulary] float32 copy is made
