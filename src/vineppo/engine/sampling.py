@@ -3,7 +3,7 @@
 Each step's sampling reads and writes [rows, vocabulary] float32 tensors, a pass per operation; at a 150k
 vocabulary and hundreds of rows these passes are a good share of a GPU step. So the draw makes as few of them as
 the samples allow: ``torch.multinomial``'s own draw (an Exp(1) variate per entry, the argmax of p / q) without its
-checks of the whole tensor (three more passes and two host synchronisations a step), the operations in place,
+checks of the whole tensor (two more passes and two host synchronisations a step), the operations in place,
 and no division at T = 1. The samples are those ``torch.multinomial`` draws, bit for bit, for the same generator.
 Finished rows still in the batch are sampled too: drawing for the running rows alone would hand each row other
 variates (the draw covers the whole [rows, vocabulary] tensor) and so change every seeded run's samples, for rows
@@ -14,7 +14,7 @@ T, logsumexp and the draw read the logits in one or two kernels, and no [rows, v
 at top-p 1 (at top-p < 1 one is, for the top-k window). Its draw is the same race (the argmax of x - log q, q ~
 Exp(1) from the generator) in another order of rounding, so it draws from the same distribution but not always
 the same tokens as the eager step; the same seed on the same device gives the same samples. The first call
-compiles (seconds; a new temperature compiles again).
+compiles (seconds; a new temperature compiles again; on a CPU, torch.compile needs a C++ compiler).
 """
 
 from __future__ import annotations
