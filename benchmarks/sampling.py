@@ -2,17 +2,19 @@
 
     python benchmarks/sampling.py [--device cpu|cuda] [--rows 64,512] [--vocab 151936] [--repeats 9] [--json]
 
-Workload: random logits [rows, vocab] in the model's dtype (bfloat16 on CUDA, float32 on CPU), at T = 1 and
-top-p 1 (the GPU benchmark's settings: the whole vocabulary, the passes this step makes) and at T = 0.6, top-p 1.
-``reference`` is the engine's step as it was with ``torch.multinomial`` (a float32 copy, the division by T,
-logsumexp, the probabilities, then multinomial, which checks the whole tensor before its draw); ``engine`` is
+Workload: random logits [rows, vocab], 4 x N(0, 1) (at T = 0.6 the nucleus of top-p 0.9 holds about 8 tokens, at
+most a few dozen, as a trained model's mostly does), in the model's dtype (bfloat16 on CUDA, float32 on CPU), at T =
+1 and top-p 1 (the GPU benchmark's settings: the whole vocabulary drawn), at T = 0.6, top-p 1, and at the training
+default T = 0.6, top-p 0.9 (the draw from a top-k window). ``reference`` is the engine's step as it was with
+``torch.multinomial`` (a float32 copy, the division by T, logsumexp, the probabilities, then multinomial, which
+checks the whole tensor before its draw; at top-p < 1, multinomial drawing from the window); ``engine`` is
 ``vineppo.engine.sampling.sample``; ``fused`` is that step compiled (``fused=True``: the same race, another
-rounding). All draw from generators with the same seed; the benchmark checks the engine's draws the same tokens
-and log-probs as the reference (``same_samples``) and reports the share of tokens the fused step draws alike
-(``fused_same_token_share``) and its largest log-prob difference on those (``fused_logprob_max_error``). Seconds per call: the median of --repeats calls of each,
-alternating, after a warm-up of each; ``exponential``: the draw's random numbers alone (what both must spend).
-``passes``: the operators over [rows, vocab] each runs (from the profiler,
-a 64-row call), and its host synchronisations (``aten::item``).
+rounding). All draw from generators with the same seed; the benchmark checks the engine's draws the same tokens and
+log-probs as the reference (``same_samples``) and reports the share of tokens the fused step draws alike
+(``fused_same_token_share``) and its largest log-prob difference on those (``fused_logprob_max_error``). Seconds per
+call: the median of --repeats calls of each, alternating, after a warm-up of each; ``exponential``: the draw's
+random numbers alone (what the steps at top-p 1 must spend). ``passes``: the operators over [rows, vocab] each eager
+step runs (from the profiler, a 64-row call), and its host synchronisations (``aten::item``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ import torch
 from common import set_threads
 from shapes import device_name, versions
 from vineppo.engine.api import SamplingParams
+from vineppo.engine import sampling
 from vineppo.engine.sampling import sample
 
 
 def reference(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-    """The step before this benchmark's change, for top-p 1: probabilities in full, then torch.multinomial."""
+    """The step through torch.multinomial: at top-p 1 the probabilities in full, then multinomial; at top-p < 1 the
+    engine's step with multinomial drawing from its top-k window."""
+    if params.top_p < 1.0:
+        engine_draw = sampling.draw
+        sampling.draw = lambda probs, g: torch.multinomial(probs, 1, generator=g).view(-1)
+        try:
+            return sample(logits, params, generator)
+        finally:
+            sampling.draw = engine_draw
     x = logits.float() / params.temperature
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     tok = torch.multinomial((x - lse).exp(), 1, generator=generator).view(-1)
@@ -63,6 +74,7 @@ def timed(fn, logits, params, device, seed: int) -> tuple[float, tuple]:
     return time.perf_counter() - t0, out
 
 
+SETTINGS = ((1.0, 1.0), (0.6, 1.0), (0.6, 0.9))  # (T, top-p): the whole vocabulary drawn, and the training default
 KERNELS = {"aten::_to_copy", "aten::div", "aten::div_", "aten::amax", "aten::sub", "aten::exp", "aten::exp_",
            "aten::sum", "aten::aminmax", "aten::exponential_", "aten::argmax"}  # operators that pass over a tensor
 
@@ -96,14 +108,15 @@ def main(argv=None):
     res = {"command": "python benchmarks/sampling.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": device_name(device), "threads": threads, "dtype": str(dtype).split(".")[1],
            "vocab": args.vocab, "repeats": args.repeats, "versions": versions(), "rows": {}}
-    for T in (1.0, 0.6):
-        params = SamplingParams(temperature=T, top_p=1.0, max_new_tokens=1)
+    for T, top_p in SETTINGS:
+        params = SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1)
+        key = f"T{T}" + (f"_p{top_p}" if top_p < 1 else "")
         small = torch.randn(64, args.vocab, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-        res[f"passes_T{T}"] = {"reference": passes(reference, small, params, device),
+        res[f"passes_{key}"] = {"reference": passes(reference, small, params, device),
                                "engine": passes(sample, small, params, device)}
         fused(small, params, torch.Generator(device=device))  # compiled outside the profile
         for n in map(int, args.rows.split(",")):
-            logits = (2 * torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n))).to(device, dtype)
+            logits = (4 * torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n))).to(device, dtype)
             same, agree, lp_err = True, [], 0.0
             secs = {"reference": [], "engine": [], "fused": [], "exponential": []}
             for rep in range(args.repeats + 1):
@@ -116,12 +129,12 @@ def main(argv=None):
                     for k, v in zip(secs, (a_s, b_s, f_s, c_s)):
                         secs[k].append(v)
             med = {k: statistics.median(v) for k, v in secs.items()}
-            res["rows"][f"{n}_T{T}"] = {"rows": n, "temperature": T, "same_samples": same, "seconds": med,
+            res["rows"][f"{n}_{key}"] = {"rows": n, "temperature": T, "top_p": top_p, "same_samples": same, "seconds": med,
                                         "speedup": med["reference"] / med["engine"],
                                         "fused_speedup": med["reference"] / med["fused"],
                                         "fused_same_token_share": statistics.mean(agree),
                                         "fused_logprob_max_error": lp_err, "runs_s": secs}
-            print(f"{n} rows, T {T}: reference {med['reference'] * 1e3:.1f} ms, engine {med['engine'] * 1e3:.1f} ms "
+            print(f"{n} rows, T {T}, top-p {top_p}: reference {med['reference'] * 1e3:.1f} ms, engine {med['engine'] * 1e3:.1f} ms "
                   f"({med['reference'] / med['engine']:.2f}x, same samples: {same}), fused {med['fused'] * 1e3:.1f} ms "
                   f"({med['reference'] / med['fused']:.2f}x, same tokens {statistics.mean(agree):.4f})", file=sys.stderr)
     print(json.dumps(res) if args.json else json.dumps({k: v for k, v in res.items() if k != "versions"}, indent=1))

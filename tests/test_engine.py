@@ -279,16 +279,17 @@ COMPILER = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.7)])
-def test_fused_sampling_draws_the_same_distribution_and_repeats_for_a_seed(T, top_p, device):
+def test_fused_sampling_draws_the_same_distribution_and_repeats_for_a_seed(T, top_p, device, dtype):
     """The compiled step runs the same race in another rounding: its frequencies follow softmax(x / T) (or its
     nucleus), its log-probs are the full softmax's, a seed repeats its draws, and it draws the eager step's token in
     almost every row."""
     if device == "cpu" and COMPILER is None:
         pytest.skip("torch.compile needs a C++ compiler for CPU kernels")
     V, n = 400, 20000
-    logits = 1.5 * torch.randn(V, generator=torch.Generator().manual_seed(3))
-    rows = logits.expand(n, V).contiguous().to(device)
+    logits = (1.5 * torch.randn(V, generator=torch.Generator().manual_seed(3))).to(dtype).float()  # as the model gives
+    rows = logits.expand(n, V).contiguous().to(device, dtype)
     params = SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1)
     draw_ = lambda fused: sample(rows, params, torch.Generator(device=device).manual_seed(0), fused=fused)  # noqa: E731
     (tok, lp), (again, _), (eager, _) = draw_(True), draw_(True), draw_(False)

@@ -9,9 +9,10 @@ Finished rows still in the batch are sampled too: drawing for the running rows a
 variates (the draw covers the whole [rows, vocabulary] tensor) and so change every seeded run's samples, for rows
 that are about a quarter of the batch at most (``schedule.SHED_FRACTION``) before a rebuild sheds them.
 
-``fused=True`` (``Engine(fused_sampling=True)``) compiles the step with ``torch.compile`` instead: the division by
-T, logsumexp and the draw read the logits in one or two kernels, and no [rows, vocabulary] float32 copy is made
-at top-p 1 (at top-p < 1 one is, for the top-k window). Its draw is the same race (the argmax of x - log q, q ~
+``fused=True`` (``Engine(fused_sampling=True)``) compiles the passes over the vocabulary with ``torch.compile``
+instead, and no [rows, vocabulary] float32 copy of the logits is made: at top-p 1 the division by T, logsumexp and
+the draw are one or two kernels over the logits and the Exp(1) variates; at top-p < 1 logsumexp is one, and the
+top-k window is read off the logits themselves. Its draw is the same race (the argmax of x - log q, q ~
 Exp(1) from the generator) in another order of rounding, so it draws from the same distribution but not always
 the same tokens as the eager step; the same seed on the same device gives the same samples. The first call
 compiles (seconds; a new temperature compiles again; on a CPU, torch.compile needs a C++ compiler).
@@ -36,34 +37,45 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         lp_all = torch.log_softmax(logits.float(), dim=-1)
         tok = lp_all.argmax(dim=-1)
         return tok, lp_all.gather(1, tok.view(-1, 1)).view(-1)
-    if fused and params.top_p >= 1.0:
-        q = torch.empty(logits.shape, device=generator.device if generator is not None else logits.device)
-        tok, lp, lse = _compiled(_race)(logits, q.exponential_(generator=generator).to(logits.device), float(T))
-        check_finite(lse)
-        return tok, lp
     if fused:
-        x, lse = _compiled(_scaled)(logits, float(T))
-    else:
-        x = logits.float() / T if T != 1 else logits.float()  # x / 1 is x: no pass
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log-probs are x - lse: no [N, V] log-softmax is kept
+        return _sample_fused(logits, params, generator)
+    x = logits.float() / T if T != 1 else logits.float()  # x / 1 is x: no pass
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log-probs are x - lse: no [N, V] log-softmax is kept
     check_finite(lse)
     if params.top_p < 1.0:
-        top_lp, top_idx = _nucleus_window(x, lse, params.top_p)
-        probs = top_lp.exp()
-        cum = probs.cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p: drop tokens whose preceding mass is already >= top_p
-        probs = probs.masked_fill((cum - probs) >= params.top_p, 0.0)
-        choice = draw(probs, generator)
-        tok = top_idx.gather(1, choice.view(-1, 1)).view(-1)
+        tok = _draw_top_p(x, 1.0, lse, params.top_p, generator)
     else:
         tok = draw(torch.sub(x, lse).exp_(), generator)
     return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1)
 
 
-def _scaled(logits: torch.Tensor, T: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x = logits / T in float32, and its logsumexp per row (one kernel once compiled)."""
-    x = logits.float() / T
-    return x, torch.logsumexp(x, dim=-1, keepdim=True)
+def _sample_fused(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """``sample`` with the passes over the vocabulary compiled; no float32 copy of the logits is written."""
+    T = float(params.temperature)
+    if params.top_p >= 1.0:
+        q = torch.empty(logits.shape, device=generator.device if generator is not None else logits.device)
+        tok, lp, lse = _compiled(_race)(logits, q.exponential_(generator=generator).to(logits.device), T)
+        check_finite(lse)
+        return tok, lp
+    lse = _compiled(_logsumexp)(logits, T)
+    check_finite(lse)
+    tok = _draw_top_p(logits, T, lse, params.top_p, generator)  # the window is read off the logits themselves
+    return tok, (logits.gather(1, tok.view(-1, 1)).float() / T - lse).view(-1)
+
+
+def _draw_top_p(scores: torch.Tensor, T: float, lse: torch.Tensor, top_p: float, generator: torch.Generator | None):
+    """One token per row from the nucleus of softmax(scores / T) (``lse``: its logsumexp per row)."""
+    top_lp, top_idx = _nucleus_window(scores, T, lse, top_p)
+    probs = top_lp.exp()
+    cum = probs.cumsum(-1)
+    # keep the smallest prefix whose mass reaches top_p: drop tokens whose preceding mass is already >= top_p
+    probs = probs.masked_fill((cum - probs) >= top_p, 0.0)
+    return top_idx.gather(1, draw(probs, generator).view(-1, 1)).view(-1)
+
+
+def _logsumexp(logits: torch.Tensor, T: float) -> torch.Tensor:
+    """logsumexp(logits / T) per row in float32 (compiled: logits / T is never written out)."""
+    return torch.logsumexp(logits.float() / T, dim=-1, keepdim=True)
 
 
 def _race(logits: torch.Tensor, q: torch.Tensor, T: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,18 +93,18 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-def _nucleus_window(x: torch.Tensor, lse: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus_window(scores: torch.Tensor, T: float, lse: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens of every row (log-probs, ids, sorted), for the smallest k tried that holds top_p.
 
     At T < 1 the nucleus is usually inside the top TOP_K; a flat row (an instruct model on an unfamiliar
     prompt, say) needs more. Widening by WIDEN costs a few top-k passes, where a sort of a 50k vocabulary and a
     draw from all of it cost ten times more per step; draws stay exact, as the window always holds the nucleus.
     """
-    V = x.shape[-1]
+    V = scores.shape[-1]
     k = min(TOP_K, V)
     while True:
-        top_x, top_idx = x.topk(k, dim=-1)
-        top_lp = top_x - lse
+        top_x, top_idx = scores.topk(k, dim=-1)
+        top_lp = (top_x.float() / T if T != 1 else top_x.float()) - lse
         if k == V or bool((top_lp.exp().sum(-1) >= top_p).all()):
             return top_lp, top_idx
         k = min(V, k * WIDEN)
