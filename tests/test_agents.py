@@ -459,3 +459,12 @@ def test_the_memory_report_keeps_the_filed_runs_a_new_log_does_not_hold(tmp_path
     assert {k: (v["peak_gb"], v["samples_gb"]) for k, v in runs.items()} == {
         "iterations-grpo-s0": (19.06, [0.46, 19.06]), "iterations-grpo-s1": (2.0, [2.0]),
         "iterations-grpo-s2": (3.5, [3.5, 1.0])}
+
+
+@pytest.mark.parametrize("budget", ["0", "-5"])
+def test_the_agent_studys_runner_refuses_a_budget_that_is_not_positive(tmp_path, budget):
+    """run.py --budget-s 0 once fell back to GRPO's median seconds (``or``): a budget it was not given."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "results/agents/run.py"), "--scratch", str(tmp_path), "--dry",
+                           "--budget-s", budget], capture_output=True, text=True)
+    assert done.returncode == 2 and "--budget-s must be > 0" in done.stderr

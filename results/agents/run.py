@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--budget-s", type=float, help="the seconds phase's budget (default: GRPO's median seconds)")
     args = ap.parse_args()
+    if args.budget_s is not None and not args.budget_s > 0:
+        ap.error(f"--budget-s must be > 0 (seconds), got {args.budget_s:g}")
     seeds = args.seeds.split(",")
     for task in args.tasks.split(","):
         root = args.scratch / "agents" / task
@@ -81,7 +83,7 @@ def main() -> None:
         for seed in seeds:
             for algo in ("grpo", "vineppo"):
                 train(task, root / f"iterations-{algo}-s{seed}", algo, seed, [], args.dry)
-        seconds = args.budget_s or (0.0 if args.dry else budget(root, seeds))
+        seconds = args.budget_s if args.budget_s is not None else 0.0 if args.dry else budget(root, seeds)
         for seed in seeds:
             train(task, root / f"seconds-vineppo-s{seed}", "vineppo", seed,
                   ["--iterations", "1000", "--save-every", "0", "--time-budget-s", f"{seconds:.0f}"], args.dry)
