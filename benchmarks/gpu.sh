@@ -67,12 +67,12 @@ $py - "$run" "$out/main-job.json" "$t0" "vineppo train --device $dev ${job[*]}" 
 import json, sys, time
 end = time.time()
 from pathlib import Path
-import torch, transformers
+import torch
+from shapes import device_name, versions
 run, dest, t0, command = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
 metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-Path(dest).write_text(json.dumps({"command": command.strip(), "wall_s": end - t0,
-    "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda},
-    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+Path(dest).write_text(json.dumps({"command": command.strip(), "wall_s": end - t0, "versions": versions(),
+    "device": device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
     "summary": json.loads((run / "summary.json").read_text()), "metrics": metrics}))
 EOF
 step done

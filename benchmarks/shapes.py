@@ -163,10 +163,9 @@ def rollout_report(b: RolloutBench) -> dict:
     engine = Engine(model, NullTok(), token_budget=budget, decode=b.decode, fused_sampling=b.fused_sampling)
     res = dict(shape=b.shape, device=device_name(device), decode=engine.decode, token_budget=budget, budget_line=line,
                fused_sampling=b.fused_sampling, kv_bytes_per_token=kv_bytes_per_token(model), versions=versions())
-    repeats, profile_tokens = b.repeats, b.profile_tokens
     for w in workloads(model.config.vocab_size, b.scale):
         first = run_job(engine, w)  # warm-up: captures the graphs this workload needs
-        runs = [run_job(engine, w) for _ in range(repeats)]
+        runs = [run_job(engine, w) for _ in range(b.repeats)]
         speeds = [t / s for t, s in runs]
         row = dict(tokens=runs[0][0], tokens_per_s=statistics.median(speeds), runs_tokens_per_s=speeds,
                    warmup_tokens_per_s=first[0] / first[1])
@@ -176,14 +175,14 @@ def rollout_report(b: RolloutBench) -> dict:
                        capture_s=engine.pool.graphs.capture_s)
         if device.type == "cuda":
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            if not profile_tokens:
+            if not b.profile_tokens:
                 continue
             try:
-                prof = gpu_busy(lambda: run_job(engine, w, profile_tokens))
+                prof = gpu_busy(lambda: run_job(engine, w, b.profile_tokens))
             except Exception as e:  # the throughput above stands without the profile
                 row["profile_error"] = repr(e)
                 continue
-            row.update(profile_new_tokens=profile_tokens, gpu_busy=prof["busy_fraction"], gpu_kernel_s=prof["busy_s"],
+            row.update(profile_new_tokens=b.profile_tokens, gpu_busy=prof["busy_fraction"], gpu_kernel_s=prof["busy_s"],
                        profiled_wall_s=prof["wall_s"], kernels=prof["kernels"], profile_table=prof["table"])
     return res
 

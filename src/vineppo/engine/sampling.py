@@ -104,7 +104,7 @@ def _nucleus_window(scores: torch.Tensor, T: float, lse: torch.Tensor, top_p: fl
     k = min(TOP_K, V)
     while True:
         top_x, top_idx = scores.topk(k, dim=-1)
-        top_lp = (top_x.float() / T if T != 1 else top_x.float()) - lse
+        top_lp = top_x.float() / T - lse  # [N, k] only; the eager step passes x, already divided, and T = 1
         if k == V or bool((top_lp.exp().sum(-1) >= top_p).all()):
             return top_lp, top_idx
         k = min(V, k * WIDEN)
