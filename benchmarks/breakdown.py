@@ -34,7 +34,7 @@ from vineppo.engine import job as job_module
 from vineppo.engine.batch import Batch
 from vineppo.engine.split import OwnLayer
 from vineppo.engine.stops import Finisher
-from vineppo.models import seeded_generator
+from vineppo.models.causal_lm import seeded_generator
 
 PHASES = {  # phase -> (owner, method name)
     "decode forward": (Engine, "forward"),

@@ -32,7 +32,7 @@ import torch
 from common import NullTok, set_threads
 from rollouts import model_setup, random_setup
 from vineppo.engine import Engine
-from vineppo.models import seeded_generator
+from vineppo.models.causal_lm import seeded_generator
 a = json.loads(sys.argv[1])
 set_threads(a["threads"])
 if a["model"]:

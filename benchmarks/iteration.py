@@ -73,8 +73,8 @@ def summary(runs: list[list[dict]]) -> dict:
 def shaped_model(shape: str, folder: Path) -> Path:
     """A model folder with random weights of ``shape`` (float32, as a run loads them), the last 1% of its vocabulary's
     ids end-of-sequence tokens, and the SFT model's tokenizer."""
-    import torch  # torch and transformers (shapes), only for --shape: the runs themselves are subprocesses
     import shapes
+    import torch  # torch and transformers (shapes), only for --shape: the runs themselves are subprocesses
 
     model = shapes.random_model(shape, torch.device("cpu"), torch.float32)
     V = model.config.vocab_size

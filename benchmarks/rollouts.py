@@ -10,7 +10,7 @@ With ``--shape``: random weights of a named shape on ``--device``, the generate 
 
 Workload: 64 prompts (`--prompts`), one response each (T=0.6, top-p 0.9), every step boundary of every
 response (the prompt end and the start of each later line), K=9 continuations each, same sampling settings.
-With ``--model``, the prompts are the `arith` task's in the model's prompt format (vineppo.prompts: the
+With ``--model``, the prompts are the `arith` task's in the model's prompt format (vineppo.models.prompts: the
 recorded one, else chat when the tokenizer has a chat template, else plain), and up to 256 new tokens.
 
 Reports
@@ -46,12 +46,12 @@ import tempfile
 import time
 
 import torch
+from common import NullTok, set_threads
 from transformers.cache_utils import DynamicLayer
 
-from common import NullTok, set_threads
-from vineppo.config import ENGINES
+from vineppo.core.config import ENGINES
 from vineppo.engine import Engine, Request, SamplingParams, make_engine
-from vineppo.models import seeded_generator
+from vineppo.models.causal_lm import seeded_generator
 
 K = 9
 N_PROMPTS = 64
@@ -92,8 +92,8 @@ def _token_boundary(tokenizer, ids, char_offset):
 
 
 def model_setup(path, seed=0, n_prompts=N_PROMPTS, max_new=256):
-    from vineppo.models import load_model
-    from vineppo.prompts import Prompter
+    from vineppo.models.causal_lm import load_model
+    from vineppo.models.prompts import Prompter
     from vineppo.tasks import get_task
 
     model, tok = load_model(path, device="cpu", verbose=False)

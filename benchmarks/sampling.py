@@ -26,11 +26,11 @@ import sys
 import time
 
 import torch
-
 from common import set_threads
 from shapes import device_name, versions
-from vineppo.engine.api import SamplingParams
+
 from vineppo.engine import sampling
+from vineppo.engine.api import SamplingParams
 from vineppo.engine.sampling import sample
 
 

@@ -42,17 +42,17 @@ import sys
 import time
 from pathlib import Path
 
+import shapes
 import torch
 
-import shapes
-from vineppo import algorithms, config as configs
+from vineppo.core import config as configs
 from vineppo.engine import Engine, SamplingParams
-from vineppo.models import load_model, seeded_generator
-from vineppo import ppo
-from vineppo.ppo import can_share, pack, token_logprobs
-from vineppo.prompts import Prompter
+from vineppo.models.causal_lm import load_model, seeded_generator
+from vineppo.models.prompts import Prompter
 from vineppo.tasks import get_task
-from vineppo.trainer import build_models, graded_episodes
+from vineppo.training import algorithms, ppo
+from vineppo.training.ppo import can_share, pack, token_logprobs
+from vineppo.training.trainer import build_models, graded_episodes
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trl_grpo.py"
 

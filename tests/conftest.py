@@ -20,7 +20,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_sft(tmp_path_factory) -> Path:
     """A 2-layer Llama fine-tuned briefly on arith: it writes the format and ends with EOS, mostly wrong."""
-    from vineppo.sft import SFTConfig, run_sft
+    from vineppo.training.sft import SFTConfig, run_sft
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("models") / "tiny-sft"

@@ -5,17 +5,23 @@ import weakref
 
 import pytest
 import torch
-
 from test_credit import RIGHT, WRONG, FakeEngine, _sample, _vine_ctx
 from test_engine import _make, char_tokenizer
-from vineppo import config as configs
-from vineppo.credit import (Episode, get_estimator, next_round, segment_advantages, settled, state_offsets,
-                            wilson_half_width)
+
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
+from vineppo.credit import (
+    Episode,
+    get_estimator,
+    next_round,
+    segment_advantages,
+    settled,
+    state_offsets,
+    wilson_half_width,
+)
 from vineppo.engine import Engine, Request, SamplingParams
 from vineppo.engine import job as job_module
-from vineppo.errors import UserError
 from vineppo.tasks import Example
-
 
 # ------------------------------------------------------------------------------------ the stopping rule
 

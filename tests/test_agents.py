@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vineppo import config as configs
 from vineppo.agents import AgentEngine, for_task
+from vineppo.core import config as configs
+from vineppo.core.errors import RewardError, UserError
 from vineppo.credit import CreditContext, get_estimator
 from vineppo.engine import Request, Sample, SamplingParams
-from vineppo.errors import RewardError, UserError
-from vineppo.ppo import Surrogate, micro_batches, pack, policy_loss, token_logprobs
 from vineppo.tasks import Example
 from vineppo.tasks.agent import AgentSpec, Markup, load_env, load_tools, tool_of
-from vineppo.trainer import _episode
+from vineppo.training.ppo import Surrogate, micro_batches, pack, policy_loss, token_logprobs
+from vineppo.training.trainer import _episode
 
 EOS = 3
 

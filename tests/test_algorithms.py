@@ -8,15 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vineppo import algorithms
-from vineppo import config as configs
-from vineppo.algorithms import Context, dpo_positive_loss, keep_correct, preference_pairs
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
 from vineppo.credit import Episode
-from vineppo.errors import UserError
-from vineppo.models import load_model
-from vineppo.tasks import TASKS, get_task, register
-from vineppo.trainer import train
-from vineppo.tasks import Example
+from vineppo.models.causal_lm import load_model
+from vineppo.tasks import TASKS, Example, get_task, register
+from vineppo.training import algorithms
+from vineppo.training.algorithms import Context, dpo_positive_loss, keep_correct, preference_pairs
+from vineppo.training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -253,7 +252,7 @@ needs_peft = pytest.mark.skipif(not configs.peft_installed(), reason="LoRA needs
 
 @needs_peft
 def test_restem_under_lora_restarts_from_fresh_adapters(tiny_sft):
-    from vineppo import lora
+    from vineppo.models import lora
 
     base, tokenizer = load_model(tiny_sft, device="cpu", verbose=False)
     policy, _ = load_model(tiny_sft, device="cpu", verbose=False)
@@ -300,7 +299,7 @@ def test_lora_with_samples_from_the_sft_model_is_a_one_line_error(monkeypatch):
 def _sampled_grpo_update(tiny_sft, use_sampler: bool):
     """A GRPO update on episodes the native engine sampled; returns its metrics, weights and policy forward count."""
     from vineppo.engine import Engine, SamplingParams
-    from vineppo.models import seeded_generator
+    from vineppo.models.causal_lm import seeded_generator
 
     policy, tok = load_model(tiny_sft, device="cpu", verbose=False)
     reference, _ = load_model(tiny_sft, device="cpu", verbose=False)

@@ -6,10 +6,17 @@ import shutil
 import pytest
 import torch
 
-from vineppo.analysis import (Study, adaptive_estimate, analyze, group_baselines, mae, mc_estimates,
-                              pairwise_ranking_accuracy)
+from vineppo.analysis.values import (
+    Study,
+    adaptive_estimate,
+    analyze,
+    group_baselines,
+    mae,
+    mc_estimates,
+    pairwise_ranking_accuracy,
+)
+from vineppo.core.errors import UserError
 from vineppo.engine import Sample
-from vineppo.errors import UserError
 from vineppo.tasks import Example, get_task
 
 torch.set_num_threads(1)
@@ -158,8 +165,8 @@ def test_analyze_without_critic_reports_none():
 
 def test_cli_smoke_on_tiny_model(tmp_path, capsys):
     from vineppo.cli import main
-    from vineppo.models import build_tiny
-    from vineppo.ppo import Critic
+    from vineppo.models.causal_lm import build_tiny
+    from vineppo.training.ppo import Critic
 
     model_dir = build_tiny(get_task("arith"), tmp_path / "tiny", hidden=32, layers=1, heads=2, mlp=64)
     # a fake PPO run folder: checkpoints/latest -> iter-000001 with the policy and a critic.pt
@@ -184,8 +191,9 @@ def test_cli_smoke_on_tiny_model(tmp_path, capsys):
 
 
 def test_bad_flags_raise_user_error(tmp_path):
-    from vineppo.commands.analyze_values import add_arguments, run
     import argparse
+
+    from vineppo.commands.analyze_values import add_arguments, run
 
     p = argparse.ArgumentParser()
     add_arguments(p)

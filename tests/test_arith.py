@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 from vineppo.tasks import get_task
 from vineppo.tasks.arith import BEHAVIOURS, Example, behaviour, chain_of, load_arith, parse_knobs, solution, style_of
 

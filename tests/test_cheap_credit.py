@@ -7,10 +7,9 @@ import pytest
 import torch
 from test_credit import PARAMS, RIGHT, WRONG, FakeEngine, FakeTokenizer, _ep, _sample, _vine_ctx, ends_with_answer
 
-import vineppo.algorithms as algorithms
-from vineppo import config as configs
-from vineppo.credit import (CreditContext, Episode, get_estimator, leave_one_out, needs, trained_continuations,
-                            State)
+import vineppo.training.algorithms as algorithms
+from vineppo.core import config as configs
+from vineppo.credit import CreditContext, Episode, State, get_estimator, leave_one_out, needs, trained_continuations
 from vineppo.tasks import Example
 
 EX = Example("e", "", "", "7")

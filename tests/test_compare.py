@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from vineppo.commands.compare import plan, report, train_command
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 
 
 def _write_run(out, name, tests, per_iter_s, train=None, eval_every=2):

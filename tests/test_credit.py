@@ -7,8 +7,8 @@ import torch
 
 from vineppo.credit import CreditContext, Episode, gae, get_estimator, step_advantages
 from vineppo.engine import Sample, SamplingParams
-from vineppo.ppo import Surrogate, pack, policy_loss, value_loss, whiten
 from vineppo.tasks import Example, get_task
+from vineppo.training.ppo import Surrogate, pack, policy_loss, value_loss, whiten
 
 
 def _ep(reward, n_tokens=4, group=0, steps=None):
@@ -240,8 +240,8 @@ class ReplayEngine:
 
 
 def test_step_join_with_sentencepiece_tokenizer():
-    from vineppo.analysis import Node, rollout_rewards
-    from vineppo.grading import grade_gsm8k
+    from vineppo.analysis.values import Node, rollout_rewards
+    from vineppo.core.grading import grade_gsm8k
 
     tok = _sentencepiece_tokenizer()
     prompt = tok("The", add_special_tokens=False)["input_ids"]
@@ -270,7 +270,7 @@ def _qwen(vocab=300):
 def test_log_probs_in_chunks_of_positions_equal_the_whole_forward(share, monkeypatch):
     """Past LOGITS_BYTES of logits, token_logprobs runs the head on chunks of positions, recomputed in the backward
     pass: the same log-probs, entropies and gradients as the model's own forward (float32 rounding)."""
-    from vineppo import ppo
+    from vineppo.training import ppo
 
     model = _qwen()
     batch = pack([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11]], [[20, 21, 22, 23, 24], [30, 31], [40, 41, 42]], 0,
@@ -291,7 +291,7 @@ def test_log_probs_in_chunks_of_positions_equal_the_whole_forward(share, monkeyp
 
 def test_a_model_whose_logits_are_not_its_head_of_the_last_state_is_not_chunked(monkeypatch):
     """Soft-capped or scaled logits (Gemma, Cohere, Granite) are not head(hidden): such a model keeps its own forward."""
-    from vineppo import ppo
+    from vineppo.training import ppo
 
     model = _qwen()
     forward = model.forward
@@ -304,7 +304,7 @@ def test_a_model_whose_logits_are_not_its_head_of_the_last_state_is_not_chunked(
 def test_micro_batches_by_tokens_keep_a_prompts_responses_together_within_the_budget():
     """--micro-batch-tokens: micro-batches cut where rows x (longest prompt + longest response) would pass the
     budget, a prompt's responses side by side and by length; without it, fixed counts as before."""
-    from vineppo.ppo import micro_batches
+    from vineppo.training.ppo import micro_batches
 
     prompts = [[1] * 4] * 3 + [[2] * 6] * 3
     responses = [[0] * n for n in (10, 2, 5, 3, 9, 4)]

@@ -18,12 +18,12 @@ import torch
 
 import vineppo
 from vineppo import TrainConfig, api, cli, evaluate, train
-from vineppo import config as configs
 from vineppo.commands.train import task_preset
-from vineppo.prompts import Prompter, save_format
-from vineppo.errors import RewardError, UserError
-from vineppo.rewards import Batch, Rewards, check_signature, load_function, time_limit
-from vineppo.steps import every_n_tokens, make_splitter
+from vineppo.core import config as configs
+from vineppo.core.errors import RewardError, UserError
+from vineppo.core.rewards import Batch, Rewards, check_signature, load_function, time_limit
+from vineppo.core.steps import every_n_tokens, make_splitter
+from vineppo.models.prompts import Prompter, save_format
 from vineppo.tasks import custom, get_task
 from vineppo.tasks import data as data_mod
 from vineppo.tasks.custom import Settings, make_task

@@ -16,9 +16,10 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from vineppo import algorithms, parallel
-from vineppo.config import TrainConfig
-from vineppo.ppo import Critic, Learner, Rollouts, UpdateConfig, ppo_update
+from vineppo.core.config import TrainConfig
+from vineppo.models import parallel
+from vineppo.training import algorithms
+from vineppo.training.ppo import Critic, Learner, Rollouts, UpdateConfig, ppo_update
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same float kernels here
 CFG = UpdateConfig(epochs=2, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7, grad_clip=1.0,
@@ -240,9 +241,9 @@ def test_killed_two_process_run_resumes_on_one(tiny_sft, tmp_path, flags):
 
 def test_device_auto_on_single_gpu(monkeypatch):
     """--device auto on a machine with CUDA resolves to a CUDA device, in one place, for every command."""
-    import vineppo.distributed as dist
-    from vineppo.errors import UserError
-    from vineppo.distributed import pick_device
+    import vineppo.core.distributed as dist
+    from vineppo.core.distributed import pick_device
+    from vineppo.core.errors import UserError
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -269,7 +270,7 @@ def test_device_auto_on_single_gpu(monkeypatch):
 def test_shutdown_leaves_a_process_group_it_did_not_make(tmp_path):
     import torch.distributed as tdist
 
-    from vineppo import distributed as dist
+    from vineppo.core import distributed as dist
 
     # vLLM in this process makes its own one-rank group; ending it under vLLM made its exit raise a traceback
     tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

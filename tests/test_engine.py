@@ -24,7 +24,7 @@ from transformers import (
 
 from vineppo.engine import TOP_K, Engine, Request, Sample, SamplingParams
 from vineppo.engine.sampling import draw, sample
-from vineppo.models import cache_keyword
+from vineppo.models.causal_lm import cache_keyword
 
 torch.set_num_threads(1)
 
@@ -771,7 +771,7 @@ def test_token_budget_on_a_cpu_and_the_bytes_of_a_token(llama):
 def test_plan_groups_sequences_by_length_and_queues_units_shortest_first():
     """Prefill groups hold rows x longest <= budget, sequences sorted by their last boundary; a unit's copies are
     split so rows x (prefix + max_new) fit; the queue pops the shortest prefix of the first group first."""
-    from vineppo.engine.plan import plan_job, prefill_groups, split, Unit
+    from vineppo.engine.plan import Unit, plan_job, prefill_groups, split
 
     bounds = [[30], [5, 9], [12], [], [20, 25]]
     assert prefill_groups(bounds, budget=60, vocab=10) == [[1, 2], [4, 0]]  # 3 x 25 > 60: a new group

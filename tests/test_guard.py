@@ -4,11 +4,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vineppo import config as configs
-from vineppo import guard, parallel
-from vineppo.errors import UserError
-from vineppo.ppo import Learner, Rollouts, UpdateConfig
-from vineppo.trainer import build_models
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
+from vineppo.models import parallel
+from vineppo.training import guard
+from vineppo.training.ppo import Learner, Rollouts, UpdateConfig
+from vineppo.training.trainer import build_models
 
 
 def _model(seed=0, float16_origin=False):

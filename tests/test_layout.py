@@ -19,7 +19,7 @@ def _loaded_after(module: str) -> set[str]:
 
 
 def test_the_config_loads_no_engine_and_no_transformers():
-    loaded = _loaded_after("vineppo.config")
+    loaded = _loaded_after("vineppo.core.config")
     assert "transformers" not in loaded and "torch" not in loaded
     assert not any(m.startswith("vineppo.engine") for m in loaded)
 
@@ -46,30 +46,54 @@ def test_every_function_level_import_says_why():
 
 # ------------------------------------------------------------------ import direction
 
-# The package in layers, lowest first: a module imports only from its own layer or below (any import counts: at
-# the top, inside a function or under TYPE_CHECKING). Within a layer, no cycle.
-LAYERS = [
-    ["errors", "hub"],
-    ["config", "distributed", "steps", "tracking", "rewards", "grading"],
-    ["tasks.agent", "tasks.base", "tasks.data", "tasks.arith", "tasks.gsm8k", "tasks.math", "tasks.custom", "tasks"],
-    ["prompts", "models"],
-    ["parallel", "lora", "engine.api", "engine.graphs", "engine.prefixes"],
-    ["engine.plan", "engine.sampling", "engine.attention"],
-    ["engine.batch", "engine.split", "engine.ring"],
-    ["engine.stops", "engine.schedule", "engine.budget", "engine.balanced"],
-    ["engine.job"],
-    ["engine.native", "engine.vllm_backend"],
-    ["engine"],
-    ["minibatch", "ppo", "runs", "loading", "agents.dialogue", "agents.engine", "agents", "credit.base", "credit.group", "credit.critic", "credit.vine", "credit.tempo",
-     "credit"],
-    ["guard"],
-    ["algorithms", "sft", "analysis", "evaluation"],
-    ["localisation", "trainer"],
-    ["api"],
-    ["commands", "commands.train", "commands.eval", "commands.sft", "commands.compare", "commands.export",
-     "commands.analyze_values", "commands.analyze_credit", "commands.inspect_data"],
-    ["", "cli", "__main__"],  # "": the package itself (its __getattr__ loads the API)
+# The package in floors, lowest first. A floor is one or more folders of src/vineppo ("" is the package's own top
+# level) and its modules in sublayers, lowest first: a module lives in its floor's folder and imports only from its
+# own sublayer or below (any import counts: at the top, inside a function or under TYPE_CHECKING). Within a
+# sublayer, no cycle. docs/architecture.md shows the same table.
+FLOORS = [
+    ("core", [["core.errors", "core.hub"],
+              ["core.config", "core.distributed", "core.steps", "core.rewards", "core.grading"],
+              ["core.tracking", "core"]]),
+    ("tasks", [["tasks.agent", "tasks.base", "tasks.data", "tasks.arith", "tasks.gsm8k", "tasks.math", "tasks.custom",
+                "tasks"]]),
+    ("models", [["models.causal_lm", "models.prompts"], ["models.parallel"], ["models.lora", "models"]]),
+    ("engine", [["engine.api", "engine.graphs", "engine.prefixes"],
+                ["engine.plan", "engine.sampling", "engine.attention"],
+                ["engine.batch", "engine.split", "engine.ring"],
+                ["engine.stops", "engine.schedule", "engine.budget", "engine.balanced"],
+                ["engine.job"],
+                ["engine.native", "engine.vllm_backend"],
+                ["engine"],
+                ["engine.loading"]]),
+    ("agents credit", [["agents.dialogue", "agents.engine", "agents", "credit.base", "credit.group", "credit.critic",
+                        "credit.vine", "credit.tempo", "credit"]]),
+    ("training", [["training.minibatch", "training.ppo", "training.runs"],
+                  ["training.guard"],
+                  ["training.algorithms", "training.sft", "training.evaluation"],
+                  ["training.trainer", "training"]]),
+    ("analysis", [["analysis.values"], ["analysis.localisation", "analysis"]]),
+    (" commands", [["api", "commands", "commands.train", "commands.eval", "commands.sft", "commands.compare",
+                    "commands.export", "commands.analyze_values", "commands.analyze_credit", "commands.inspect_data"],
+                   ["", "cli", "__main__"]]),  # "": the package itself (its __getattr__ loads the API)
 ]
+LAYERS = [layer for _, layers in FLOORS for layer in layers]  # every sublayer, lowest first
+
+
+def folder(module: str, src: Path = SRC) -> str:
+    """The folder of src/vineppo a module lives in ("" for the package's own top level)."""
+    top = module.split(".")[0]
+    return top if top and (src / top).is_dir() else ""
+
+
+def misplaced(graph: dict[str, set[str]], floors: list = FLOORS, src: Path = SRC) -> list[str]:
+    """Modules that stand in another folder than their floor's, and folders that are no floor's."""
+    home = {m: names.split(" ") for names, layers in floors for layer in layers for m in layer}
+    bad = [f"{m!r} lives in {folder(m, src) or 'the top level'!r}, its floor is {' '.join(home[m])!r}"
+           for m in graph if m in home and folder(m, src) not in home[m]]
+    known = {f for names, _ in floors for f in names.split(" ")}
+    bad += [f"folder {p.name!r} is no floor's" for p in sorted(src.iterdir())
+            if p.is_dir() and (p / "__init__.py").exists() and p.name not in known]
+    return bad
 
 
 def import_graph(src: Path = SRC) -> dict[str, set[str]]:
@@ -135,6 +159,11 @@ def test_imports_only_go_down_the_layers_and_close_no_circle():
     assert {t for ts in graph.values() for t in ts} <= set(graph)  # the graph sees every import of the package
 
 
+def test_the_folders_are_the_floors():
+    assert not misplaced(import_graph())
+    assert {folder(m) for m in import_graph()} == {f for names, _ in FLOORS for f in names.split(" ")}
+
+
 def script_graph(folder: Path) -> dict[str, set[str]]:
     """script -> the scripts of `folder` it imports (they import each other by plain name: `from rollouts import`)."""
     names = {p.stem for p in folder.glob("*.py")}
@@ -153,19 +182,39 @@ def test_the_benchmarks_import_each_other_without_a_circle():
     assert not cycles(graph)
 
 
+def _layer(module: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if module in layer)
+
+
 def test_a_planted_upward_import_or_circle_is_caught(tmp_path):
     src = tmp_path / "vineppo"
     shutil.copytree(SRC, src)
     plant = lambda name, line: (src / name).write_text((src / name).read_text() + f"\n\ndef _late():\n    {line}\n")  # noqa: E731
-    plant("grading.py", "from vineppo.engine import Sample  # planted")
+    plant("core/grading.py", "from vineppo.engine import Sample  # planted")
     graph = import_graph(src)
-    assert violations(graph, LAYERS) == ["grading imports engine (layer 10 above 1)"]
-    plant("errors.py", "from vineppo.config import TrainConfig  # planted")
+    assert violations(graph, LAYERS) == [f"core.grading imports engine (layer {_layer('engine')} above "
+                                         f"{_layer('core.grading')})"]
+    plant("core/errors.py", "from vineppo.core.config import TrainConfig  # planted")
     graph = import_graph(src)
-    assert "errors imports config (layer 1 above 0)" in violations(graph, LAYERS)
-    assert cycles(graph) == [["config", "errors"]]
-    plant("trainer.py", "from vineppo.commands.eval import show  # planted")
-    assert "trainer imports commands.eval (layer 16 above 14)" in violations(import_graph(src), LAYERS)
+    assert f"core.errors imports core.config (layer {_layer('core.config')} above 0)" in violations(graph, LAYERS)
+    assert cycles(graph) == [["core.config", "core.errors"]]
+    plant("training/trainer.py", "from vineppo.commands.eval import show  # planted")
+    assert (f"training.trainer imports commands.eval (layer {_layer('commands.eval')} above "
+            f"{_layer('training.trainer')})") in violations(import_graph(src), LAYERS)
+
+
+def test_a_planted_module_in_the_wrong_folder_is_caught(tmp_path):
+    src = tmp_path / "vineppo"
+    shutil.copytree(SRC, src)
+    assert not misplaced(import_graph(src), src=src)
+    (src / "core" / "guard.py").write_text((src / "training" / "guard.py").read_text())  # a training module in core/
+    assert "'core.guard' has no layer" in violations(import_graph(src), LAYERS)
+    moved = [(names, [[m.replace("training.guard", "core.guard") for m in layer] for layer in layers])
+             for names, layers in FLOORS]  # the table follows it, but the table's floor is still training's
+    assert misplaced(import_graph(src), moved, src) == ["'core.guard' lives in 'core', its floor is 'training'"]
+    (src / "misc").mkdir()
+    (src / "misc" / "__init__.py").write_text("")
+    assert "folder 'misc' is no floor's" in misplaced(import_graph(src), src=src)
 
 
 def test_a_planted_circle_among_the_benchmarks_is_caught(tmp_path):

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
+from vineppo.analysis.localisation import line_token_ranges, localisation, mean_se, pick
 from vineppo.cli import main
 from vineppo.credit import Episode
-from vineppo.localisation import line_token_ranges, localisation, mean_se, pick
 from vineppo.tasks import Example
 from vineppo.tasks.arith import first_wrong_line
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vineppo import config as configs
-from vineppo import ppo
-from vineppo.algorithms import needs_reference
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
 from vineppo.credit import REWARD_SCALES, CreditContext, Episode, get_estimator
-from vineppo.errors import UserError
-from vineppo.minibatch import Net, Schedule, chunks, drive
-from vineppo.ppo import Learner, Rollouts, Surrogate, UpdateConfig, loss_weights, policy_loss, ppo_update
-from vineppo.trainer import build_models, train
 from vineppo.tasks import Example
+from vineppo.training import ppo
+from vineppo.training.algorithms import needs_reference
+from vineppo.training.minibatch import Net, Schedule, chunks, drive
+from vineppo.training.ppo import Learner, Rollouts, Surrogate, UpdateConfig, loss_weights, policy_loss, ppo_update
+from vineppo.training.trainer import build_models, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 L1, L2, L3 = math.log(0.5), math.log(0.25), math.log(0.8)

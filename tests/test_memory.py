@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from vineppo import cli
-from vineppo import config as configs
-from vineppo import parallel
-from vineppo.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs
-from vineppo.prompts import saved_dtype, saved_format
-from vineppo.trainer import return_freed_memory, train
+from vineppo.core import config as configs
+from vineppo.models import parallel
+from vineppo.models.prompts import saved_dtype, saved_format
+from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs
+from vineppo.training.trainer import return_freed_memory, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = dict(algo="grpo", prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=48, minibatch=8, micro_batch=4,
@@ -99,7 +99,7 @@ def _scored(model, share: bool) -> tuple:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_shared_prompts_give_each_sequences_own_logprobs_and_gradients(arch):
-    from vineppo.models import tiny_config
+    from vineppo.models.causal_lm import tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, 50, 0, hidden=32, layers=2, heads=4, mlp=64)).train()
@@ -112,7 +112,7 @@ def test_shared_prompts_give_each_sequences_own_logprobs_and_gradients(arch):
 
 
 def test_prompts_are_not_shared_under_activation_checkpointing():
-    from vineppo.ppo import can_share
+    from vineppo.training.ppo import can_share
 
     model = _model()
     assert can_share(model)
@@ -121,7 +121,7 @@ def test_prompts_are_not_shared_under_activation_checkpointing():
 
 
 def test_an_update_with_shared_prompts_lands_where_the_plain_one_does(monkeypatch):
-    from vineppo import ppo
+    from vineppo.training import ppo
 
     weights = []
     for share in (True, False):
@@ -198,7 +198,7 @@ needs_peft = pytest.mark.skipif(not configs.peft_installed(), reason="LoRA needs
 
 
 def _lora(model, r=4):
-    from vineppo import lora
+    from vineppo.models import lora
 
     return lora.add_adapters(model, r, 8.0, "all-linear")
 
@@ -224,7 +224,7 @@ def test_the_engine_passes_a_lora_model_the_cache_under_its_current_name():
 
 @needs_peft
 def test_lora_reference_is_the_base_model_exactly_and_only_adapters_train():
-    from vineppo import lora
+    from vineppo.models import lora
 
     base, policy = _model(), _lora(_model())
     before = {k: v.clone() for k, v in policy.named_parameters()}

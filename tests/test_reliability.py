@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vineppo import cli
-from vineppo import config as configs
-from vineppo.errors import UserError
-from vineppo.models import load_model
-from vineppo.trainer import train
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
+from vineppo.models.causal_lm import load_model
+from vineppo.training.trainer import train
 
 NO_MODEL = "/no/such/model-folder"
 SMALL = dict(algo="grpo", prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, minibatch=8, micro_batch=8,
@@ -77,7 +77,7 @@ def _iterations(run) -> list[int]:
 
 
 def test_extended_total_survives_a_kill_and_a_plain_resume(run, capsys, monkeypatch):
-    import vineppo.algorithms as algorithms  # the PPO update is called by the PPO family's registered function
+    import vineppo.training.algorithms as algorithms  # the PPO update is called by the PPO family's registered function
 
     real, calls = algorithms.ppo_update, []
 
@@ -114,7 +114,7 @@ def test_a_run_folder_in_use_is_refused_naming_the_holder(tmp_path, capsys, how)
 
 
 def test_the_lock_names_this_process_while_the_run_lives(run, monkeypatch):
-    import vineppo.algorithms as algorithms
+    import vineppo.training.algorithms as algorithms
 
     real, seen = algorithms.ppo_update, []
     monkeypatch.setattr(algorithms, "ppo_update",
@@ -342,7 +342,7 @@ def test_a_run_without_checkpoint_restarts_in_its_folder(tiny_sft, tmp_path):
 
 
 def test_hub_model_without_network_fails_fast(monkeypatch, tmp_path):
-    import vineppo.models as models_mod
+    import vineppo.models.causal_lm as models_mod
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
@@ -363,7 +363,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_older_one(run, capsys):
 
 
 def test_damaged_checkpoint_files_are_found_without_loading(run):
-    from vineppo import runs
+    from vineppo.training import runs
 
     ckpt = run / "checkpoints" / "iter-000002"
     assert runs.damage(ckpt) is None

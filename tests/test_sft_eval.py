@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from vineppo import cli
-from vineppo import config as configs
-from vineppo.errors import UserError
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
 from vineppo.engine import Engine
-from vineppo.evaluation import EvalSettings, evaluate, first_error_step, majority_vote
-from vineppo.models import load_model
-from vineppo.sft import Muon, SFTConfig, ensure_sft_model, make_optimizers, newton_schulz, run_sft
+from vineppo.models.causal_lm import load_model
 from vineppo.tasks import Example, Task, get_task, register
 from vineppo.tasks.arith import load_arith
+from vineppo.training.evaluation import EvalSettings, evaluate, first_error_step, majority_vote
+from vineppo.training.sft import Muon, SFTConfig, ensure_sft_model, make_optimizers, newton_schulz, run_sft
 
 ARITH = get_task("arith")
 MINI = register(Task(name="arith-mini", grade=ARITH.grade, split_steps=ARITH.split_steps, extract=ARITH.extract,
@@ -234,7 +234,7 @@ def test_eval_records_finish_reason_and_parsable(tiny_sft):
 
 
 def test_strict_extractors():
-    from vineppo.grading import extract_gsm8k, extract_math
+    from vineppo.core.grading import extract_gsm8k, extract_math
 
     assert extract_gsm8k("12 + 3 = 15\n#### 15") == "15" and extract_gsm8k("#### $1,000.") == "$1,000."
     assert extract_gsm8k("#### 2\n#### fifteen") is None and extract_gsm8k("15") is None
@@ -270,7 +270,7 @@ def test_generators_on_model_device(tiny, monkeypatch):
 def test_sft_help_states_current_defaults(capsys):
     import re
 
-    from vineppo.sft import PRETRAINED_DEFAULTS, TINY_DEFAULTS
+    from vineppo.training.sft import PRETRAINED_DEFAULTS, TINY_DEFAULTS
 
     with pytest.raises(SystemExit):
         cli.main(["sft", "--help"])
@@ -302,7 +302,7 @@ def test_sft_removes_the_temp_folder_a_killed_run_left(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_eval_scores_the_problems_a_run_evaluated_whatever_its_sampling_seed(tiny, tmp_path, seed):
     # --seed is the sampling's; the generated test set comes from --data-seed (0), as in a run's in-run evaluation
-    from vineppo.trainer import _load_data
+    from vineppo.training.trainer import _load_data
 
     with pytest.raises(SystemExit) as e:
         cli.main(["eval", "--model", str(tiny), "--task", "arith", "--samples", "1", "--limit", "4", "--seed",

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from vineppo import runs
 from vineppo.cli import main
-from vineppo.models import load_model
-from vineppo.sft import SHIPPED, TINY_DEFAULTS, default_model, default_sft_dir, is_saved_model
+from vineppo.models.causal_lm import load_model
+from vineppo.training import runs
+from vineppo.training.sft import SHIPPED, TINY_DEFAULTS, default_model, default_sft_dir, is_saved_model
 
 
 def test_shipped_model_is_small_and_is_the_default_start_of_arith():

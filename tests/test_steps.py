@@ -8,9 +8,15 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import vineppo.steps as steps_mod
-from vineppo.steps import (MAX_STEP_CHARS, math_spans, split_math, split_newlines, step_token_ranges,
-                           token_char_offsets)
+import vineppo.core.steps as steps_mod
+from vineppo.core.steps import (
+    MAX_STEP_CHARS,
+    math_spans,
+    split_math,
+    split_newlines,
+    step_token_ranges,
+    token_char_offsets,
+)
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -174,8 +180,8 @@ def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
     would be a step of its own and VinePPO would estimate a state inside the stop string, whose continuations
     write a whole new problem and answer (the bug that made VinePPO on SmolLM2 one-shot prompts ramble)."""
     from vineppo.engine import Sample
-    from vineppo.trainer import _episode
     from vineppo.tasks import Example, get_task
+    from vineppo.training.trainer import _episode
 
     task = get_task("arith")
     text = " 3 * 5 = 15\n#### 15\n\nProblem:"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vineppo import cli
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 from vineppo.tasks import DEFAULT_PROMPT, get_task
 from vineppo.tasks import data as data_mod
 from vineppo.tasks.arith import load_arith
@@ -149,10 +149,8 @@ def test_inspect_data_rich_output_and_user_error(capsys, tmp_path):
 
 
 def test_arith_knobs_through_data_flag():
-    from vineppo.errors import UserError
-    from vineppo.tasks.arith import load_arith
-
-    from vineppo.tasks.arith import chain_of
+    from vineppo.core.errors import UserError
+    from vineppo.tasks.arith import chain_of, load_arith
 
     hard = load_arith("test", "min_ops=5,max_ops=6,digits=3", size=50)
     assert all(5 <= len(chain_of(ex.problem).ops) <= 6 for ex in hard)

@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vineppo import cli, trainer
-from vineppo import config as configs
+from vineppo import cli
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
+from vineppo.core.tracking import Tracker, plan, plot_run
 from vineppo.credit import Episode
-from vineppo.errors import UserError
-from vineppo.tasks import TASKS, Task, get_task, register
-from vineppo.tracking import Tracker, plan, plot_run
-from vineppo.trainer import RunState, rounded, train
-from vineppo.tasks import Example
+from vineppo.tasks import TASKS, Example, Task, get_task, register
+from vineppo.training import trainer
+from vineppo.training.trainer import RunState, rounded, train
 
 SMALL = dict(prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, mc_k=2, mc_max_states=4, minibatch=8,
              micro_batch=8, eval_problems=4, eval_samples=2, eval_every=1, save_every=1, tensorboard=False)
@@ -139,7 +139,7 @@ def test_nan_loss_is_a_clear_error_and_keeps_the_checkpoint(tiny_sft, tmp_path, 
     out = tmp_path / "run"
     train(_cfg(tiny_sft, out, algo="grpo", iterations=1, eval_problems=0))
     before = _weights(out)
-    import vineppo.ppo as ppo
+    import vineppo.training.ppo as ppo
 
     real = ppo.policy_loss
     monkeypatch.setattr(ppo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
@@ -164,7 +164,7 @@ def test_dropout_off_in_rl_update(tiny_sft, tmp_path, monkeypatch):
     shutil.copytree(tiny_sft, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
-    import vineppo.ppo as ppo
+    import vineppo.training.ppo as ppo
 
     ratios, real = [], ppo.policy_loss
 
@@ -229,7 +229,7 @@ def test_batch_without_signal_warns_once(tiny_sft, tmp_path, capsys):
     line = next(ln for ln in err.splitlines() if "warning:" in ln)
     assert "grader" in line and "--max-new-tokens" in line
     # and the fraction itself: prompt 0 mixed, prompt 1 all right, prompt 2 all wrong
-    from vineppo.trainer import _mixed_prompts
+    from vineppo.training.trainer import _mixed_prompts
 
     eps = [Episode([1], [2], "", r, g, Example("e", "", "", "7"), [(0, 1)]) for g, r in ((0, 1.0), (0, 0.0), (1, 1.0), (1, 1.0), (2, 0.0))]
     assert _mixed_prompts(eps) == 1
@@ -240,7 +240,7 @@ def _group_ep(group: int, reward: float) -> Episode:
 
 
 def test_oversampling_keeps_prompts_with_mixed_outcomes_first():
-    from vineppo.trainer import _informative
+    from vineppo.training.trainer import _informative
 
     # 5 drawn prompts, 2 responses each: prompts 1 and 3 are mixed, 0, 2 and 4 are not.
     rewards = {0: (1, 1), 1: (0, 1), 2: (0, 0), 3: (1, 0), 4: (1, 1)}

@@ -11,15 +11,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from test_agents import PlainPrompter, add
 from test_engine import _chi2_gof, _nucleus, _prompts, char_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from vineppo import cli
-from vineppo import config as configs
 from vineppo.agents import AgentEngine
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
 from vineppo.engine import Engine, Request, SamplingParams, make_engine
-from vineppo.errors import UserError
 from vineppo.tasks import Example
 from vineppo.tasks.agent import AgentSpec, Markup, load_tools
 
@@ -229,7 +229,7 @@ def test_building_the_engine_keeps_the_process_rng_and_threads(tiny):
 @pytest.fixture(scope="module")
 def sft_h32(tmp_path_factory):
     """A tiny arith SFT model whose head size vLLM's CPU attention supports (hidden 128, 4 heads)."""
-    from vineppo.sft import SFTConfig, run_sft
+    from vineppo.training.sft import SFTConfig, run_sft
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("models") / "tiny-sft-h32"
@@ -239,7 +239,7 @@ def sft_h32(tmp_path_factory):
 @real_vllm
 def test_two_vineppo_iterations_with_vllm(sft_h32, tmp_path, monkeypatch):
     from vineppo.engine.vllm_backend import VLLMEngine
-    from vineppo.trainer import train
+    from vineppo.training.trainer import train
 
     torch.set_num_threads(1)
     pushed, push = [], VLLMEngine.push_weights
@@ -276,7 +276,7 @@ def test_restem_and_dpo_positive_sample_with_vllm(algo, pushes, sft_h32, tmp_pat
     """RestEM's restart from the SFT weights is pushed after its round; DPO+ samples from the frozen SFT model
     (--sample-from sft): vLLM holds those weights, nothing is pushed, and the policy is evaluated natively."""
     from vineppo.engine.vllm_backend import VLLMEngine
-    from vineppo.trainer import train
+    from vineppo.training.trainer import train
 
     torch.set_num_threads(1)
     seen, push = [], VLLMEngine.push_weights

@@ -1,7 +1,10 @@
 """Per-step error rate by step position (results/long-chain/README.md): python step_errors.py EVAL.jsonl [ARITH_DATA|-]; first errors at line i / responses with lines 0..i-1 right that had a line i."""
-import json, sys
-from vineppo.evaluation import first_error_step
+import json
+import sys
+
 from vineppo.tasks import get_task
+from vineppo.training.evaluation import first_error_step
+
 jsonl, data = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None)
 exs = {e.id: e for e in get_task("arith").load("test", data, 0)}
 reach, err = {}, {}

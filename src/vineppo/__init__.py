@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     if name == "TrainConfig":
-        from vineppo.config import TrainConfig  # the settings, loaded when asked for (the CLI starts without them)
+        from vineppo.core.config import TrainConfig  # the settings, loaded when asked for (the CLI starts without them)
 
         return TrainConfig
     raise AttributeError(f"module 'vineppo' has no attribute {name!r}")

@@ -4,11 +4,11 @@
                     reward=[my_reward])
 
 `data` and `eval_data` are lists of dicts, `datasets.Dataset`s or file names (as `--data` takes them), and
-`reward` is one reward function in TRL's form or a list of them (vineppo.rewards); each given one replaces its
+`reward` is one reward function in TRL's form or a list of them (vineppo.core.rewards); each given one replaces its
 TrainConfig field, so a config that names everything (`data="train.jsonl", reward=["rewards.py:f"]`) needs
 nothing more. As on the command line, the fields a config leaves at their defaults take the task's preset (on
 a CPU, task custom's is `custom-cpu`: 10 iterations of 8 prompts x 8 responses of at most 48 tokens) and its
-algorithm's (`algo="grpo"` brings `estimator="grpo"`: vineppo.config.ALGOS); a field set to its default value
+algorithm's (`algo="grpo"` brings `estimator="grpo"`: vineppo.core.config.ALGOS); a field set to its default value
 counts as left there. `preset=` names another preset (a name or a YAML file). `train` returns the run summary
 (summary.json), `evaluate` the evaluation of `config.model` on the evaluation data by the settings of the
 in-run evaluation (`eval_*`, `max_new_tokens`, `top_p`).
@@ -21,14 +21,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from vineppo import config as configs
-from vineppo import distributed as dist
-from vineppo import agents, evaluation, trainer
-from vineppo.config import TrainConfig
-from vineppo.errors import UserError
-from vineppo.loading import LoadSpec, load
+from vineppo import agents
+from vineppo.core import config as configs
+from vineppo.core import distributed as dist
+from vineppo.core.config import TrainConfig
+from vineppo.core.errors import UserError
+from vineppo.engine.loading import LoadSpec, load
 from vineppo.tasks import TASKS, Task, get_task
 from vineppo.tasks.custom import PYTHON, Settings, make_task
+from vineppo.training import evaluation, trainer
 
 Rows = Any  # a list of dicts, a datasets.Dataset, or a file name / hub:NAME as --data takes it
 Reward = Callable[..., list]
@@ -49,7 +50,7 @@ def train(config: TrainConfig, data: Rows = None, eval_data: Rows = None, reward
 def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[Reward] | None = None,
              tools: list | None = None) -> dict:
     """pass@1, pass@k, greedy accuracy and mean reward of `config.model` on the evaluation data (dialogues with
-    `tools`, as `train` takes them), per-problem rows under 'results' (vineppo.evaluation.evaluate)."""
+    `tools`, as `train` takes them), per-problem rows under 'results' (vineppo.training.evaluation.evaluate)."""
     cfg, task = _with_task(config, None, eval_data, reward, tools)
     examples = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems or None]
     got = load(LoadSpec(cfg.model, task, cfg.prompt_format, cfg.data, cfg.data_seed, cfg.device,
@@ -80,7 +81,7 @@ def _with_task(config: TrainConfig, data: Rows, eval_data: Rows, reward: Reward 
             given.setdefault("tools", []).append(PYTHON + getattr(obj, "__name__", "tool"))
     if objects and config.task != "custom":
         raise UserError(f"data, eval_data, reward and tools objects are for task 'custom', not {config.task!r}")
-    # the fields left at their defaults take the algorithm's (as flags do on the command line: vineppo.config.resolve)
+    # the fields left at their defaults take the algorithm's (as flags do on the command line: vineppo.core.config.resolve)
     defaults = TrainConfig()
     changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != getattr(defaults, f.name) and f.name != "preset"}

@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {

@@ -8,8 +8,8 @@ import json
 import sys
 import types
 
-from vineppo.evaluation import first_error_step, majority_vote
 from vineppo.tasks import get_task
+from vineppo.training.evaluation import first_error_step, majority_vote
 
 ARITH = get_task("arith")
 PROBLEMS = {ex.id: ex for ex in ARITH.load("test", None, 0)}

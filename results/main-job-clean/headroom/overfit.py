@@ -1,8 +1,11 @@
 """RL on a fixed pool of N train problems (argv[1]): does the update raise the reward on problems it sees again?"""
-import dataclasses, sys
+import dataclasses
+import sys
+
 import vineppo.tasks as T
-from vineppo.tasks import arith
 from vineppo.cli import main
+from vineppo.tasks import arith
+
 n = int(sys.argv.pop(1))
 orig = arith.load_arith
 def load(split, path=None, seed=0, **kw):

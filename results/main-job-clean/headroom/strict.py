@@ -1,8 +1,12 @@
 """arith with a stricter reward: the answer right AND every `a op b = c` line arithmetically right (exact
 division), so a chain that reaches the answer through a wrong line (e.g. 68 * 4 = 252 ... / 89) earns 0."""
-import dataclasses, re, sys
+import dataclasses
+import re
+import sys
+
 import vineppo.tasks as T
 from vineppo.cli import main
+
 LINE = re.compile(r"^\s*(\d+)\s*([-+*/])\s*(\d+)\s*=\s*(\d+)\s*$")
 base = T.get_task("arith")
 def lines_right(text):

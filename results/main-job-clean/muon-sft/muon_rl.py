@@ -1,7 +1,11 @@
 """Experiment: vineppo train with Muon (match_rms_adamw) on the policy's matrices, AdamW on the rest. args: vineppo train args"""
-import sys, torch
-import vineppo.trainer as tr
+import sys
+
+import torch
+
+import vineppo.training.trainer as tr
 from vineppo import cli
+
 
 class Both(torch.optim.Optimizer):
     def __init__(self, a, b):

@@ -1,6 +1,10 @@
 """Experiment: SFT with Muon on hidden matrices (AdamW on embeddings/norms). usage: muon_sft.py OUT SEED EPOCHS MUON_LR ADJUST WD"""
-import sys, torch
-import vineppo.sft as sft
+import sys
+
+import torch
+
+import vineppo.training.sft as sft
+
 out, seed, epochs, mlr, adjust, wd = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5], float(sys.argv[6])
 
 class Both(torch.optim.Optimizer):

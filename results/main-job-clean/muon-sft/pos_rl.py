@@ -1,7 +1,9 @@
 """Experiment: vineppo train with only the positive part of the (whitened) advantages. args: vineppo train args"""
 import sys
-import vineppo.ppo as ppo
+
+import vineppo.training.ppo as ppo
 from vineppo import cli
+
 _pl = ppo.policy_loss
 def pl(logp, old_logp, ref_logp, advantages, *a, **k):
     return _pl(logp, old_logp, ref_logp, advantages.clamp(min=0), *a, **k)

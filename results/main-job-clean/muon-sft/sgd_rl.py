@@ -1,7 +1,11 @@
 """Experiment: vineppo train with plain SGD on the policy. args: LR then vineppo train args"""
-import sys, torch
-import vineppo.trainer as tr
+import sys
+
+import torch
+
+import vineppo.training.trainer as tr
 from vineppo import cli
+
 sgd_lr = float(sys.argv[1])
 _AdamW = torch.optim.AdamW
 def patched(params, lr, **kw):

@@ -1,7 +1,11 @@
 """Experiment: vineppo train with a linear learning-rate warmup over the policy optimiser's first N steps. args: N then vineppo train args"""
-import sys, torch
-import vineppo.trainer as tr
+import sys
+
+import torch
+
+import vineppo.training.trainer as tr
 from vineppo import cli
+
 warm = int(sys.argv[1])
 
 class WarmAdamW(torch.optim.AdamW):

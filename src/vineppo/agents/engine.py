@@ -24,9 +24,9 @@ from collections import Counter
 from typing import Any, Callable
 
 from vineppo.agents.dialogue import Dialogue, Record
+from vineppo.core.errors import RewardError, UserError
+from vineppo.core.rewards import one_line
 from vineppo.engine.api import Request, Sample, SamplingParams
-from vineppo.errors import RewardError, UserError
-from vineppo.rewards import one_line
 from vineppo.tasks.agent import AgentSpec, env_stop, resumable
 
 WORKERS = 8  # threads for tool calls and environment steps: the calls of a round run in parallel

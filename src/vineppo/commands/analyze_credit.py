@@ -1,5 +1,5 @@
 """`vineppo analyze-credit`: where each method's advantages fall on a response with one wrong line
-(vineppo.localisation)."""
+(vineppo.analysis.localisation)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import json
 import time
 from pathlib import Path
 
-from vineppo import config as configs
-from vineppo.analysis import load_inputs
-from vineppo.config import check_engine
-from vineppo.errors import UserError
-from vineppo.localisation import CreditStudy, analyze_credit
-from vineppo.prompts import HELP
-from vineppo.sft import default_model
+from vineppo.analysis.localisation import CreditStudy, analyze_credit
+from vineppo.analysis.values import load_inputs
+from vineppo.core import config as configs
+from vineppo.core.config import check_engine
+from vineppo.core.errors import UserError
+from vineppo.core.tracking import console, progress_bar
+from vineppo.models.prompts import HELP
 from vineppo.tasks import DATA_HELP
-from vineppo.tracking import console, progress_bar
+from vineppo.training.sft import default_model
 
 NAMES = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
          "vineppo_adaptive": "VinePPO adaptive K", "grpo": "GRPO", "rloo": "RLOO", "ppo_critic": "PPO critic (GAE)", "tempo": "TEMPO (shared prefixes)",

@@ -1,4 +1,4 @@
-"""`vineppo analyze-values`: each method's value estimates against Monte Carlo ground truth (vineppo.analysis)."""
+"""`vineppo analyze-values`: each method's value estimates against Monte Carlo ground truth (vineppo.analysis.values)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from vineppo import config as configs
-from vineppo.analysis import EXTRA_K, METHODS, Study, analyze, critic_state_values, load_inputs
-from vineppo.config import ENGINES, check_engine
-from vineppo.errors import UserError
-from vineppo.prompts import HELP
+from vineppo.analysis.values import EXTRA_K, METHODS, Study, analyze, critic_state_values, load_inputs
+from vineppo.core import config as configs
+from vineppo.core.config import ENGINES, check_engine
+from vineppo.core.errors import UserError
+from vineppo.core.tracking import console as err_console
+from vineppo.core.tracking import progress_bar
+from vineppo.models.prompts import HELP
 from vineppo.tasks import DATA_HELP
-from vineppo.tracking import console as err_console
-from vineppo.tracking import progress_bar
 
 LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
           "ppo_critic": "PPO critic", "grpo": "GRPO (group mean)", "rloo": "RLOO (leave-one-out mean)",

@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from vineppo import config as configs
-from vineppo.errors import UserError
-from vineppo.tracking import console, progress_bar
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
+from vineppo.core.tracking import console, progress_bar
 
 PHASES = ("time/sampling_s", "time/credit_s", "time/update_s")
 RUN_NAME = re.compile(r"^(?P<algo>[\w.-]+)-s(?P<seed>\d+)$")  # e.g. dpo-positive-s2
@@ -340,7 +340,9 @@ def _ensure_start_model(preset: str, train_args: str) -> None:
     """Train the shared default SFT model once, before parallel runs would each start training it."""
     cfg = configs.resolve(configs.load_preset(preset), {})
     if cfg.model == "auto" and "--model" not in train_args:
-        from vineppo.sft import default_model  # loads torch and transformers: only when the SFT model is to be made
+        from vineppo.training.sft import (
+            default_model,  # loads torch and transformers: only when the SFT model is to be made
+        )
 
         default_model(cfg.task, cfg.data, train_missing=True)
 

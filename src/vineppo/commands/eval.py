@@ -1,5 +1,5 @@
 """`vineppo eval`: pass@1 (the paper's protocol), greedy accuracy, pass@k, maj@k and lenient scores of a model on a
-task, with per-problem results in a JSONL file (what each score means: vineppo.evaluation)."""
+task, with per-problem results in a JSONL file (what each score means: vineppo.training.evaluation)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vineppo import agents
-from vineppo import config as configs
-from vineppo.config import ENGINES, check_engine
-from vineppo.errors import UserError
-from vineppo.evaluation import EvalSettings, error_histogram, evaluate
-from vineppo.loading import LoadSpec, load
-from vineppo.prompts import HELP, check_format
-from vineppo.runs import output_folder
-from vineppo.sft import SHIPPED, default_model
+from vineppo.core import config as configs
+from vineppo.core.config import ENGINES, check_engine
+from vineppo.core.errors import UserError
+from vineppo.engine.loading import LoadSpec, load
+from vineppo.models.prompts import HELP, check_format
 from vineppo.tasks import DATA_HELP, custom, get_task
+from vineppo.training.evaluation import EvalSettings, error_histogram, evaluate
+from vineppo.training.runs import output_folder
+from vineppo.training.sft import SHIPPED, default_model
 
 # Flag rules, checked before any model or data loads.
 RULES = dict(samples=configs.AT_LEAST_0, temperature=configs.NON_NEGATIVE, top_p=configs.TOP_P,

@@ -12,12 +12,12 @@ import argparse
 import json
 from pathlib import Path
 
-from vineppo import config as configs
-from vineppo import runs
-from vineppo.errors import UserError
-from vineppo.models import load_model
-from vineppo.prompts import save_format, saved_record
-from vineppo.sft import default_model
+from vineppo.core import config as configs
+from vineppo.core.errors import UserError
+from vineppo.models.causal_lm import load_model
+from vineppo.models.prompts import save_format, saved_record
+from vineppo.training import runs
+from vineppo.training.sft import default_model
 
 
 def export(run: Path, out: Path, checkpoint: str | None = None) -> dict:

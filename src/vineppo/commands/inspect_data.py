@@ -20,8 +20,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vineppo.prompts import HELP, Prompter
-from vineppo.steps import every_n_tokens
+from vineppo.core.steps import every_n_tokens
+from vineppo.models.prompts import HELP, Prompter
 from vineppo.tasks import Example, Task, custom, get_task
 from vineppo.tasks.custom import CustomTask
 
@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     examples = task.load(args.split, args.data, args.seed)
     tokenizer = None
     if args.model:
-        from vineppo.models import load_model  # torch and transformers: only when a model's prompts are asked for
+        from vineppo.models.causal_lm import (
+            load_model,  # torch and transformers: only when a model's prompts are asked for
+        )
 
         tokenizer = load_model(args.model, device="cpu", verbose=False)[1]
     prompter = Prompter(task, tokenizer, args.prompt_format, model=args.model, data=args.data, seed=args.seed) \

@@ -1,13 +1,13 @@
-"""`vineppo sft`: supervised fine-tuning on a task's reference solutions, the starting point of RL (vineppo.sft)."""
+"""`vineppo sft`: supervised fine-tuning on a task's reference solutions, the starting point of RL (vineppo.training.sft)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import fields
 
-from vineppo.prompts import HELP
-from vineppo.sft import PRETRAINED_DEFAULTS, TINY_DEFAULTS, SFTConfig, run_sft
+from vineppo.models.prompts import HELP
 from vineppo.tasks import DATA_HELP, custom
+from vineppo.training.sft import PRETRAINED_DEFAULTS, TINY_DEFAULTS, SFTConfig, run_sft
 
 
 def _defaults(key: str) -> str:

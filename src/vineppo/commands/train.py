@@ -1,4 +1,4 @@
-"""`vineppo train`: RL training as a preset (or YAML file) and flags configure it (the loop: vineppo.trainer)."""
+"""`vineppo train`: RL training as a preset (or YAML file) and flags configure it (the loop: vineppo.training.trainer)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from vineppo import config as configs
-from vineppo import distributed as dist
-from vineppo.config import TrainConfig
-from vineppo.errors import UserError
+from vineppo.core import config as configs
+from vineppo.core import distributed as dist
+from vineppo.core.config import TrainConfig
+from vineppo.core.errors import UserError
+from vineppo.core.tracking import process_start
 from vineppo.tasks import TASKS
-from vineppo.tracking import process_start
-from vineppo.trainer import train
+from vineppo.training.trainer import train
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from vineppo.config import TrainConfig
+from vineppo.core.config import TrainConfig
+from vineppo.core.errors import UserError
+from vineppo.core.grading import Scorer
 from vineppo.engine import SamplingParams
-from vineppo.errors import UserError
-from vineppo.grading import Scorer
 from vineppo.tasks import Example
 
 _DEFAULTS = TrainConfig()  # CreditContext's defaults: a run's own settings
@@ -61,7 +61,7 @@ class CreditContext:
     rollouts: Any = None  # the rollout engine (an object; TrainConfig.engine is the backend's name)
     tokenizer: Any = None
     score: Scorer | None = None  # the task's rewards of a batch of completions (Task.score)
-    critic: Any = None  # vineppo.ppo.Critic for `gae`
+    critic: Any = None  # vineppo.training.ppo.Critic for `gae`
     params: SamplingParams | None = None  # sampling settings for Monte Carlo continuations
     generator: torch.Generator | None = None
     mc_k: int = _DEFAULTS.mc_k  # continuations per state

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from vineppo import distributed as dist
+from vineppo.core import distributed as dist
 from vineppo.credit.base import Credit, CreditContext, Episode, groups, per_response, register
 
 # --scale-rewards: what divides GRPO's group-centred reward, from (the group's rewards, the batch's reward std).

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vineppo.core.grading import continuation_rewards
 from vineppo.credit.base import Credit, CreditContext, Episode, Needs, known, register, segment_advantages
 from vineppo.engine import Request, Sample
-from vineppo.grading import continuation_rewards
 
 StateKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (example id, prompt ids, response ids before the state)
 

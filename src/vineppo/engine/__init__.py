@@ -14,7 +14,7 @@ interface.
 
 from __future__ import annotations
 
-from vineppo.config import check_engine
+from vineppo.core.config import check_engine
 from vineppo.engine.api import Request, RolloutEngine, Sample, SamplingParams, eos_token_ids
 from vineppo.engine.native import Engine
 from vineppo.engine.sampling import TOP_K

@@ -36,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vineppo.models import pretrained
+from vineppo.models.causal_lm import pretrained
 
 NAME = "vineppo_decode"
 _UNSUPPORTED = ("softcap", "sliding_window", "position_bias", "s_aux")

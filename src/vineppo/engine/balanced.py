@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vineppo import distributed as dist
+from vineppo.core import distributed as dist
 from vineppo.engine.api import Request, Sample
 
 

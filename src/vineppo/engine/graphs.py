@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+
 def bucket(n: int, cap: int) -> int:
     """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) >= n, at most ``cap``:
     at most 1.5x the rows needed, and few graphs to capture."""

@@ -54,7 +54,7 @@ from vineppo.engine.plan import Plan
 from vineppo.engine.ring import RingKV, RingPool, planned_rows
 from vineppo.engine.split import SplitKV
 from vineppo.engine.stops import candidate_table
-from vineppo.models import cache_keyword, pretrained
+from vineppo.models.causal_lm import cache_keyword, pretrained
 
 DECODE = ("auto", "split", "ring", "graphs")  # how decode steps run (see Engine)
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from vineppo.core.errors import UserError
 from vineppo.engine.attention import decoding
 from vineppo.engine.graphs import Graphs, bucket
-from vineppo.errors import UserError
 
 KEEP_FRACTION = 0.05  # Engine.sleep keeps a ring of at most this share of the GPU's memory, with its graphs: capturing
 # them again each iteration would cost more than the memory gives the update

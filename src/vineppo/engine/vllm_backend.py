@@ -41,11 +41,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from vineppo.config import MISSING_VLLM
-from vineppo.engine.api import (Progress, Request, Sample, SamplingParams, check_job, check_prompts,
-                                eos_token_ids)
-from vineppo.errors import UserError
-from vineppo.models import context_length
+from vineppo.core.config import MISSING_VLLM
+from vineppo.core.errors import UserError
+from vineppo.engine.api import Progress, Request, Sample, SamplingParams, check_job, check_prompts, eos_token_ids
+from vineppo.models.causal_lm import context_length
 
 CPU_BLOCK = 32  # the CPU backend's KV block size must be a multiple of 32 (and only full blocks are shared)
 CPU_PREFILL_TOKENS = 4096  # prompt tokens vLLM-CPU prefills per step (its default); at least max_model_len

@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vineppo.errors import UserError
-from vineppo.rewards import load_function, one_line
+from vineppo.core.errors import UserError
+from vineppo.core.rewards import load_function, one_line
 
 MARKUP = "<tool_call>|</tool_call>|<tool_response>|</tool_response>"
 FORMATS = ("auto", "template", "plain")

@@ -38,9 +38,9 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from vineppo.errors import UserError
-from vineppo.grading import extract_gsm8k, grade_gsm8k
-from vineppo.steps import split_newlines
+from vineppo.core.errors import UserError
+from vineppo.core.grading import extract_gsm8k, grade_gsm8k
+from vineppo.core.steps import split_newlines
 from vineppo.tasks.base import Example, Task, register
 
 NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena", "Milo", "Nora"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vineppo.errors import UserError
-from vineppo.grading import lenient_gsm8k
+from vineppo.core.errors import UserError
+from vineppo.core.grading import lenient_gsm8k
 
 DEFAULT_PROMPT = "Problem:\n{problem}\n\nSolution:"
 # Chat prompts open with the task's instruction, which names the answer format its grader reads.
@@ -78,7 +78,7 @@ class Task:
         return self.cpu_preset if device == "cpu" and self.cpu_preset is not None else self.preset
 
     def reward_log(self) -> Any:
-        """What a task's reward functions log besides the reward (custom: vineppo.rewards.RewardLog), else None."""
+        """What a task's reward functions log besides the reward (custom: vineppo.core.rewards.RewardLog), else None."""
         return None
 
     def configured(self, settings: Any) -> Task:

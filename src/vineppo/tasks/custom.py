@@ -10,11 +10,11 @@ content}`), rendered with the tokenizer's chat template (`chat`); `auto` renders
 chat template too where the tokenizer has one and the model records no format of its own; without
 that column, a `messages` column is the prompt and its last assistant turn, if any, the reference completion.
 `--completion-column` names the reference completion, what `vineppo sft` trains on. Every other column
-reaches the reward functions as a keyword argument (vineppo.rewards).
+reaches the reward functions as a keyword argument (vineppo.core.rewards).
 
 **Reward**: `--reward FILE.py:FUNCTION` or `package.module:FUNCTION`, repeatable, weighted by
 `--reward-weights`; a response is solved (pass@1, pass@k) when its reward is at least `--success-threshold`.
-**Steps**: `--steps` (vineppo.steps; lines by default). An example's id is where it comes from (`file:line`,
+**Steps**: `--steps` (vineppo.core.steps; lines by default). An example's id is where it comes from (`file:line`,
 `file[index]`, `hub NAME split record i`, `data[i]`; a CSV row's line is the line it starts on, the header
 being line 1): the key of its row, which `score` hands to the reward functions; an example has no reference
 answer of its own (`answer` is "").
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from vineppo.errors import UserError
-from vineppo.rewards import ARGUMENTS, CONTEXT, Batch, RewardLog, Rewards, check_signature, load_function
-from vineppo.steps import STEPS_HELP, make_splitter, token_steps
+from vineppo.core.errors import UserError
+from vineppo.core.rewards import ARGUMENTS, CONTEXT, Batch, RewardLog, Rewards, check_signature, load_function
+from vineppo.core.steps import STEPS_HELP, make_splitter, token_steps
 from vineppo.tasks.agent import FORMATS, MARKUP, AgentSpec, Markup, load_env, load_tools
 from vineppo.tasks.base import Example, Task, register
 from vineppo.tasks.data import carve, load_hub, read_jsonl
@@ -49,7 +49,7 @@ class Settings:
     reward_weights: tuple[float, ...] | None = None  # one per function (None: 1 each)
     prompt_column: str = "prompt"
     completion_column: str | None = None  # the reference completion (None: none, or a `messages` column's)
-    steps: str | None = None  # the step splitter (vineppo.steps.make_splitter; None: turns with tools or an
+    steps: str | None = None  # the step splitter (vineppo.core.steps.make_splitter; None: turns with tools or an
     # environment, else lines)
     success_threshold: float = 1.0  # reward at or above which a response counts as solved
     reward_timeout_s: float = 60.0  # time limit of one reward call, tool call or environment step (0: none)
@@ -114,7 +114,7 @@ class CustomTask(Task):
         return "chat" if self.data.format == "chat" else recorded
 
     def reward_log(self) -> RewardLog | None:
-        """What the reward functions log (vineppo.rewards.RewardLog): their values per call, log_metric, log_extra."""
+        """What the reward functions log (vineppo.core.rewards.RewardLog): their values per call, log_metric, log_extra."""
         self.data.functions()
         return self.data.rewards.log
 
@@ -124,7 +124,7 @@ class CustomTask(Task):
         return {"prompt": row.prompt, **row.columns}
 
     def score(self, examples: list[Example], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
-        """The rewards of completions `texts` of `examples`: one call of each reward function (vineppo.rewards)."""
+        """The rewards of completions `texts` of `examples`: one call of each reward function (vineppo.core.rewards)."""
         return self.data.batch([ex.id for ex in examples], texts, token_ids)
 
     def solved(self, reward: float | None) -> bool:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
 from typing import Callable
 
-from vineppo.errors import UserError
-from vineppo.hub import offline, reachable
+from vineppo.core.errors import UserError
+from vineppo.core.hub import offline, reachable
 from vineppo.tasks.base import Example
 
 N_VALIDATION = 500  # problems carved from train into a validation split

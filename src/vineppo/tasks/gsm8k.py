@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 
-from vineppo.errors import UserError
-from vineppo.grading import extract_gsm8k, grade_gsm8k
-from vineppo.steps import split_newlines
+from vineppo.core.errors import UserError
+from vineppo.core.grading import extract_gsm8k, grade_gsm8k
+from vineppo.core.steps import split_newlines
 from vineppo.tasks.base import Example, Task, register
 from vineppo.tasks.data import check_split, load_examples
 

@@ -10,9 +10,9 @@ are carved from it. When a record has no `answer`, the answer is the solution's 
 
 from __future__ import annotations
 
-from vineppo.errors import UserError
-from vineppo.grading import extract_math, grade_math, last_boxed, lenient_math
-from vineppo.steps import split_math
+from vineppo.core.errors import UserError
+from vineppo.core.grading import extract_math, grade_math, last_boxed, lenient_math
+from vineppo.core.steps import split_math
 from vineppo.tasks.base import BOXED_ANSWER, Example, Task, register
 from vineppo.tasks.data import check_split, load_examples
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vineppo.config import FORMAT
-from vineppo.errors import UserError
+from vineppo.core.config import FORMAT
+from vineppo.core.errors import UserError
 from vineppo.tasks import Example, Task
 
 SAVED = "vineppo.json"  # in a model folder: {"prompt_format": ..., "dtype": ...}

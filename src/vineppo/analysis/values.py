@@ -40,18 +40,18 @@ from typing import Any, Callable
 
 import torch
 
+from vineppo.core.distributed import pick_device
+from vineppo.core.errors import UserError
+from vineppo.core.grading import Scorer, continuation_rewards, outcome_rewards
+from vineppo.core.steps import step_token_ranges, token_char_offsets
 from vineppo.credit import Episode, next_round
 from vineppo.credit.tempo import implied_values
-from vineppo.distributed import pick_device
 from vineppo.engine import Request, SamplingParams
-from vineppo.errors import UserError
-from vineppo.grading import Scorer, continuation_rewards, outcome_rewards
-from vineppo.loading import LoadSpec, load
-from vineppo.ppo import Critic
-from vineppo.prompts import Prompter
-from vineppo.runs import output_folder
-from vineppo.steps import step_token_ranges, token_char_offsets
+from vineppo.engine.loading import LoadSpec, load
+from vineppo.models.prompts import Prompter
 from vineppo.tasks import Example, get_task
+from vineppo.training.ppo import Critic
+from vineppo.training.runs import output_folder
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo", "tempo")
 K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order

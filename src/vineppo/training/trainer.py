@@ -1,7 +1,7 @@
 """The RL loop behind `vineppo train`: sample -> grade -> the algorithm's update -> evaluate -> checkpoint.
 
 One loop serves every algorithm; they differ only in the update registered under their name
-(vineppo.algorithms: credit assignment + PPO, RestEM, DPO+) and its settings (vineppo.config.ALGOS).
+(vineppo.training.algorithms: credit assignment + PPO, RestEM, DPO+) and its settings (vineppo.core.config.ALGOS).
 Read `train` top to bottom.
 """
 
@@ -20,26 +20,28 @@ from typing import Any, Callable
 
 import torch
 
-from vineppo import config as configs
-from vineppo import distributed as dist
-from vineppo import agents, lora, parallel, runs
-from vineppo.algorithms import Context, get_algorithm, needs_reference
-from vineppo.config import TrainConfig, check_engine
+from vineppo import agents
+from vineppo.core import config as configs
+from vineppo.core import distributed as dist
+from vineppo.core.config import TrainConfig, check_engine
+from vineppo.core.errors import RewardError, UserError
+from vineppo.core.grading import outcome_rewards
+from vineppo.core.rewards import Call, TrainerState
+from vineppo.core.steps import every_n_tokens, step_token_ranges, token_char_offsets
+from vineppo.core.tracking import Tracker, console, plan, plot_run, progress_bar
 from vineppo.credit import Episode, groups, needs
 from vineppo.engine import RolloutEngine, Sample, SamplingParams, make_engine
 from vineppo.engine.budget import auto_token_budget, update_reserve
-from vineppo.errors import RewardError, UserError
-from vineppo.evaluation import EvalSettings, behaviour_counts, behaviour_table, evaluate
-from vineppo.grading import outcome_rewards
-from vineppo.loading import LoadSpec, load
-from vineppo.models import context_length, disable_dropout
-from vineppo.ppo import Critic
-from vineppo.prompts import Prompter
-from vineppo.rewards import Call, TrainerState
-from vineppo.sft import default_model, is_saved_model
-from vineppo.steps import every_n_tokens, step_token_ranges, token_char_offsets
+from vineppo.engine.loading import LoadSpec, load
+from vineppo.models import lora, parallel
+from vineppo.models.causal_lm import context_length, disable_dropout
+from vineppo.models.prompts import Prompter
 from vineppo.tasks import Example, Task, get_task
-from vineppo.tracking import Tracker, console, plan, plot_run, progress_bar
+from vineppo.training import runs
+from vineppo.training.algorithms import Context, get_algorithm, needs_reference
+from vineppo.training.evaluation import EvalSettings, behaviour_counts, behaviour_table, evaluate
+from vineppo.training.ppo import Critic
+from vineppo.training.sft import default_model, is_saved_model
 
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 TABLE_ROWS = 32  # sampled responses in each table of completions.jsonl (the first prompts' groups)
@@ -146,7 +148,7 @@ class Run:
     out: Path  # the run folder (locked)
     device: torch.device
     task: Task
-    algorithm: Callable[..., dict[str, float]]  # vineppo.algorithms: the update registered under cfg.algo
+    algorithm: Callable[..., dict[str, float]]  # vineppo.training.algorithms: the update registered under cfg.algo
     train_set: list[Example]
     test_set: list[Example]  # the evaluated test problems (empty: no evaluation)
     val_set: list[Example]  # the validation problems (empty: no model selection)
@@ -314,7 +316,7 @@ def iteration(run: Run, it: int) -> bool:
     run.watch.update(metrics)
     t1 = time.perf_counter()
 
-    # 3. The algorithm's update on these episodes (vineppo.algorithms): credit + PPO, RestEM or DPO+.
+    # 3. The algorithm's update on these episodes (vineppo.training.algorithms): credit + PPO, RestEM or DPO+.
     try:
         metrics.update(run.algorithm(episodes, dataclasses.replace(run.ctx, generator=gen, order_generator=order_gen)))
     except FloatingPointError as e:

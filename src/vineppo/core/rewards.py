@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vineppo.errors import RewardError, UserError
+from vineppo.core.errors import RewardError, UserError
 
 ARGUMENTS = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
 CONTEXT = ("trainer_state", "log_metric", "log_extra")  # what TRL passes too, to the functions that take them

@@ -11,8 +11,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from vineppo.config import TrainConfig
-from vineppo.errors import UserError
+from vineppo.core.config import TrainConfig
+from vineppo.core.errors import UserError
 
 console = Console(stderr=True)
 _IMPORTED = time.perf_counter()  # the fallback start of the process where /proc does not say

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as tdist
 
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 
 _joined = None  # the group init() joined: shutdown() ends only that one (vLLM in this process makes its own)
 

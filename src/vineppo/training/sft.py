@@ -1,6 +1,6 @@
 """Supervised fine-tuning (`vineppo sft`) on a task's reference solutions (the starting point of RL).
 
-Each example is a prompt and its reference response in the chosen prompt format (vineppo.prompts: plain
+Each example is a prompt and its reference response in the chosen prompt format (vineppo.models.prompts: plain
 `Problem: ... Solution:` + " " + solution + EOS, or the chat template's user and assistant turns with the
 end-of-turn token, or few-shot); the loss is the mean cross-entropy over the response tokens only. The
 format is recorded in the output folder (`vineppo.json`), so `eval` and `train` reuse it. AdamW (or, with
@@ -25,21 +25,21 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from vineppo import config as configs
-from vineppo.distributed import pick_device
-from vineppo.errors import UserError
-from vineppo.models import context_length, load_model, tiny_model
-from vineppo.prompts import Prompter, check_format, save_format
-from vineppo.runs import make_folder
+from vineppo.core import config as configs
+from vineppo.core.distributed import pick_device
+from vineppo.core.errors import UserError
+from vineppo.core.tracking import console
+from vineppo.models.causal_lm import context_length, load_model, tiny_model
+from vineppo.models.prompts import Prompter, check_format, save_format
 from vineppo.tasks import get_task
-from vineppo.tracking import console
+from vineppo.training.runs import make_folder
 
 # Defaults for the tiny model (trained from scratch) and for a pretrained model (fine-tuned).
 TINY_DEFAULTS = dict(lr=3e-3, epochs=2.0, batch_size=32, warmup=0.03, optimizer="muon")  # 1,250 steps on arith
 PRETRAINED_DEFAULTS = dict(lr=1e-5, epochs=3.0, batch_size=64, warmup=0.03, optimizer="adamw")
 # arith's default SFT model ships with the package (made by the `vineppo sft` command in its README.md), so the
 # main job needs no SFT first; `--model auto` on arith with its default data starts from it.
-SHIPPED = Path(__file__).parent / "assets" / "sft-arith"
+SHIPPED = Path(__file__).parents[1] / "assets" / "sft-arith"
 OPTIMIZERS = ("muon", "adamw")
 # Flag rules, checked before any model or data loads.
 RULES = dict(lr=configs.POSITIVE, epochs=configs.POSITIVE, batch_size=configs.AT_LEAST_1, max_steps=configs.AT_LEAST_1,

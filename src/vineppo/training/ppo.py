@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from vineppo import distributed as dist
-from vineppo import parallel
-from vineppo.minibatch import Net, Schedule, aligned, drive
-from vineppo.models import cache_keyword, load_model, pretrained
+from vineppo.core import distributed as dist
+from vineppo.models import parallel
+from vineppo.models.causal_lm import cache_keyword, load_model, pretrained
+from vineppo.training.minibatch import Net, Schedule, aligned, drive
 
 # Above this many bytes of float32 logits (rows x response tokens x vocabulary), log-probs are computed from the
 # decoder's hidden states in chunks of positions, each chunk's logits recomputed in the backward pass: a 0.5B
@@ -381,7 +381,7 @@ class UpdateConfig:
     temperature: float
     grad_clip: float
     value_clip: float
-    dtype: str = "float32"  # float32 | bfloat16 (autocast; see vineppo.parallel)
+    dtype: str = "float32"  # float32 | bfloat16 (autocast; see vineppo.models.parallel)
     micro_batch_tokens: int = 0  # > 0: micro-batches cut by padded tokens instead of `micro_batch` episodes
     clip_high: float | None = None  # upper ratio clip (None: clip)
     kl_estimator: str = "k3"  # KL_ESTIMATORS
@@ -431,7 +431,7 @@ class Learner:
 
 
 def ppo_update(nets: Learner, data: Rollouts, cfg: UpdateConfig, generator: torch.Generator) -> dict[str, float]:
-    """`cfg.epochs` passes of clipped-PPO minibatch steps (vineppo.minibatch) over this rank's episodes, the critic
+    """`cfg.epochs` passes of clipped-PPO minibatch steps (vineppo.training.minibatch) over this rank's episodes, the critic
     stepped beside the policy; returns summed statistics.
 
     Old log-probs come from `data.old_logprobs` when the sampler gave them (the same weights and temperature: one

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vineppo.engine import RolloutEngine, make_engine
-from vineppo.models import load_model
-from vineppo.prompts import Prompter, saved_dtype
+from vineppo.models.causal_lm import load_model
+from vineppo.models.prompts import Prompter, saved_dtype
 from vineppo.tasks import Task
 
 

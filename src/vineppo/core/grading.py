@@ -185,10 +185,10 @@ class _Verifier:
 
     def _start(self) -> None:
         env = dict(os.environ)
-        src = str(Path(__file__).resolve().parents[1])  # so the worker finds vineppo even without an install
+        src = str(Path(__file__).resolve().parents[2])  # so the worker finds vineppo even without an install
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from vineppo.grading import _serve; _serve()"],
+            [sys.executable, "-c", "from vineppo.core.grading import _serve; _serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             text=True, encoding="utf-8", bufsize=1)
         self.ready = False

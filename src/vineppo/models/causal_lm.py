@@ -23,13 +23,20 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as bpe
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 from transformers.utils import logging as hf_logging
 
-from vineppo.distributed import pick_device
-from vineppo.errors import UserError
-from vineppo.hub import offline, reachable
+from vineppo.core.distributed import pick_device
+from vineppo.core.errors import UserError
+from vineppo.core.hub import offline, reachable
 
 EOS = "<|endoftext|>"
 TINY_SIZE = dict(hidden=128, layers=4, heads=4)  # default tiny model (0.9M params); mlp = 3x (llama/qwen2), 4x (gpt2)

@@ -35,10 +35,10 @@ from huggingface_hub import snapshot_download
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from vineppo import distributed as dist
-from vineppo import lora, parallel
-from vineppo.errors import UserError
-from vineppo.prompts import save_format
+from vineppo.core import distributed as dist
+from vineppo.core.errors import UserError
+from vineppo.models import lora, parallel
+from vineppo.models.prompts import save_format
 
 try:
     import fcntl
@@ -300,7 +300,7 @@ class Trained:
 def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: int,
                     record: tuple[str, str] | None = None) -> None:
     """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep`;
-    `record` (prompt format, dtype) goes in it (vineppo.prompts), so it evaluates and trains in the format it
+    `record` (prompt format, dtype) goes in it (vineppo.models.prompts), so it evaluates and trains in the format it
     learned, and evaluates in the dtype it trained in.
 
     Rank 0 writes; with --fsdp every rank first gathers the whole weights to rank 0 and writes its own

@@ -12,9 +12,9 @@ import sys
 import torch
 import torch.nn as nn
 
-from vineppo import parallel
-from vineppo.config import NEEDS_PEFT, peft_installed
-from vineppo.errors import UserError
+from vineppo.core.config import NEEDS_PEFT, peft_installed
+from vineppo.core.errors import UserError
+from vineppo.models import parallel
 
 
 def active(model: nn.Module | None) -> bool:
@@ -60,7 +60,7 @@ class AdaptersOff:
             return self.policy(**inputs)
 
     def modules(self):
-        """The policy's modules (what vineppo.ppo.can_share and models.pretrained look through)."""
+        """The policy's modules (what vineppo.training.ppo.can_share and models.pretrained look through)."""
         return self.policy.modules()
 
 

@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from vineppo.analysis import TEMPERATURE, TOP_P
+from vineppo.analysis.values import TEMPERATURE, TOP_P
+from vineppo.core.grading import outcome_rewards
+from vineppo.core.steps import step_token_ranges, token_char_offsets
 from vineppo.credit import CreditContext, Episode, get_estimator
 from vineppo.engine import SamplingParams
-from vineppo.grading import outcome_rewards
-from vineppo.prompts import Prompter
-from vineppo.steps import step_token_ranges, token_char_offsets
+from vineppo.models.prompts import Prompter
 from vineppo.tasks.arith import first_wrong_line
 
 LABELS = {"premature": "behaviour", "skip": "behaviour", "slip": "slip"}  # first-error kind -> analysed label

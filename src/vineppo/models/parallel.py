@@ -17,17 +17,22 @@ from typing import Iterator
 
 import torch
 import torch.distributed as tdist
-import torch.nn as nn
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from vineppo import distributed as dist
-from vineppo.errors import UserError
-from vineppo.models import pretrained
+from vineppo.core import distributed as dist
+from vineppo.core.errors import UserError
+from vineppo.models.causal_lm import pretrained
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # --dtype: the autocast compute dtype (None: plain float32)
 

@@ -11,7 +11,7 @@ import bisect
 import re
 from typing import Callable
 
-from vineppo.errors import UserError
+from vineppo.core.errors import UserError
 
 # ------------------------------------------------------------------------------------ GSM8K: newlines
 

@@ -22,18 +22,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vineppo import config as configs
-from vineppo import distributed as dist
-from vineppo import guard, lora, parallel
-from vineppo.config import TrainConfig
+from vineppo.core import config as configs
+from vineppo.core import distributed as dist
+from vineppo.core.config import TrainConfig
+from vineppo.core.errors import UserError
+from vineppo.core.grading import Scorer
 from vineppo.credit import CreditContext, Episode, get_estimator, groups, needs
 from vineppo.engine import SamplingParams
 from vineppo.engine.balanced import BalancedContinuations
-from vineppo.errors import UserError
-from vineppo.grading import Scorer
-from vineppo.minibatch import Loss, Net, Schedule, chunks, drive
-from vineppo.ppo import (Learner, Rollouts, UpdateConfig, loss_weights, pack, ppo_update, token_logprobs,
-                         token_mean_std, whiten)
+from vineppo.models import lora, parallel
+from vineppo.training import guard
+from vineppo.training.minibatch import Loss, Net, Schedule, chunks, drive
+from vineppo.training.ppo import (
+    Learner,
+    Rollouts,
+    UpdateConfig,
+    loss_weights,
+    pack,
+    ppo_update,
+    token_logprobs,
+    token_mean_std,
+    whiten,
+)
 
 
 @dataclass
@@ -49,7 +59,7 @@ class Context:
     engine: Any  # rollout engine over the sampling model (VinePPO's Monte Carlo continuations)
     params: SamplingParams  # sampling settings of the iteration's responses
     score: Scorer  # the task's rewards of a batch of completions (Task.score)
-    critic: nn.Module | None = None  # vineppo.ppo.Critic as updates run it (parallel.wrap)
+    critic: nn.Module | None = None  # vineppo.training.ppo.Critic as updates run it (parallel.wrap)
     critic_opt: torch.optim.Optimizer | None = None
     generator: torch.Generator | None = None  # seeded by (seed, iteration, rank): sampling and data selection
     order_generator: torch.Generator | None = None  # seeded by (seed, iteration): minibatch order, equal on all ranks
@@ -217,7 +227,7 @@ def _device(ctx: Context) -> torch.device:
 
 def minibatch_steps(ctx: Context, ids: list[int], weights: list[float], loss_fn: Loss) -> dict[str, float]:
     """`epochs` passes of AdamW steps on the policy over this rank's items (global `ids`, their `weights`: the
-    minibatch's weight over ranks divides `loss_fn`'s loss), micro-batches in order (vineppo.minibatch)."""
+    minibatch's weight over ranks divides `loss_fn`'s loss), micro-batches in order (vineppo.training.minibatch)."""
     cfg = ctx.cfg
     free_engine(ctx)
     ctx.policy.train()

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from vineppo import distributed as dist
-from vineppo import parallel
+from vineppo.core import distributed as dist
+from vineppo.models import parallel
 
 Loss = Callable[[list[int], float], tuple[torch.Tensor, dict[str, float]]]
 

@@ -1,0 +1,1 @@
+"""Studies of credit: value accuracy against Monte Carlo truth, and where advantages fall."""

@@ -1,0 +1,1 @@
+"""Models and what surrounds them: loading causal LMs, prompt formats, sharding and bf16, LoRA."""
