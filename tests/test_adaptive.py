@@ -10,15 +10,8 @@ from test_engine import _make, char_tokenizer
 
 from vineppo.core import config as configs
 from vineppo.core.errors import UserError
-from vineppo.credit import (
-    Episode,
-    get_estimator,
-    next_round,
-    segment_advantages,
-    settled,
-    state_offsets,
-    wilson_half_width,
-)
+from vineppo.credit import (Episode, get_estimator, next_round, segment_advantages, settled, state_offsets,
+                            wilson_half_width)
 from vineppo.engine import Engine, Request, SamplingParams
 from vineppo.engine import job as job_module
 from vineppo.tasks import Example

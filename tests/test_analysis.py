@@ -6,15 +6,8 @@ import shutil
 import pytest
 import torch
 
-from vineppo.analysis.values import (
-    Study,
-    adaptive_estimate,
-    analyze,
-    group_baselines,
-    mae,
-    mc_estimates,
-    pairwise_ranking_accuracy,
-)
+from vineppo.analysis.values import (Study, adaptive_estimate, analyze, group_baselines, mae, mc_estimates,
+                                     pairwise_ranking_accuracy)
 from vineppo.core.errors import UserError
 from vineppo.engine import Sample
 from vineppo.tasks import Example, get_task

@@ -8,7 +8,8 @@ import torch
 from vineppo.credit import CreditContext, Episode, gae, get_estimator, step_advantages
 from vineppo.engine import Sample, SamplingParams
 from vineppo.tasks import Example, get_task
-from vineppo.training.ppo import Surrogate, pack, policy_loss, value_loss, whiten
+from vineppo.credit import normalise
+from vineppo.training.ppo import Surrogate, pack, policy_loss, value_loss
 
 
 def _ep(reward, n_tokens=4, group=0, steps=None):
@@ -205,8 +206,23 @@ def test_pack_aligns_responses_and_their_advantages_at_one_column():
     assert b.scored().tolist() == [2, 3, 4]  # logits at positions 2..4 predict the response columns
 
 
+def test_scale_keeps_a_zero_a_zero_where_whitening_shifts_it():
+    # most tokens 0 by construction (steps whose value did not change), the rest negative: mean < 0
+    planted = [torch.tensor([0.0, 0.0, 0.0, -0.5]), torch.tensor([0.0, 0.0]), torch.tensor([-1.0, 0.0, 0.25])]
+    scaled = normalise(planted, "scale")
+    assert all(((a == 0) == (b == 0)).all() for a, b in zip(planted, scaled))  # a zero stays zero
+    assert all((torch.sign(a) == torch.sign(b)).all() for a, b in zip(planted, scaled))  # no sign flips
+    nonzero = torch.cat(scaled)[torch.cat(planted) != 0]
+    assert nonzero.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)  # the non-zero ones at unit spread
+    whitened = normalise(planted, "whiten")
+    assert (torch.cat(whitened)[torch.cat(planted) == 0] > 0).all()  # whitening moves every zero up
+    assert normalise(planted, "none") is planted
+    one = normalise([torch.tensor([0.0, 2.0, 2.0])], "scale")  # no spread among the non-zero: left as it is
+    assert one[0].tolist() == [0.0, 2.0, 2.0]
+
+
 def test_whiten():
-    out = whiten([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    out = normalise([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], "whiten")
     flat = torch.cat(out)
     assert flat.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert flat.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)

@@ -12,15 +12,8 @@ import pytest
 import torch
 from scipy import stats
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 from vineppo.engine import TOP_K, Engine, Request, Sample, SamplingParams
 from vineppo.engine.sampling import draw, sample

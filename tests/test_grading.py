@@ -7,17 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vineppo.core.grading import (
-    MATH_TIMEOUT,
-    extract_gsm8k,
-    grade_gsm8k,
-    grade_math,
-    last_boxed,
-    lenient_answer,
-    lenient_gsm8k,
-    lenient_math,
-    math_equal,
-)
+from vineppo.core.grading import (MATH_TIMEOUT, extract_gsm8k, grade_gsm8k, grade_math, last_boxed, lenient_answer,
+                                  lenient_gsm8k, lenient_math, math_equal)
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

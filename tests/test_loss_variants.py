@@ -218,11 +218,11 @@ def test_a_reference_model_is_built_only_when_the_run_uses_it(flags, built):
 
 def test_grpo_trl_and_dr_grpo_settings():
     trl = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "grpo-trl"})
-    assert (trl.estimator, trl.loss_agg, trl.scale_rewards, trl.whiten_advantages, trl.kl_coef, trl.clip,
-            trl.clip_high, trl.mask_truncated) == ("grpo", "token-mean", "group", False, 0.0, 0.2, None, False)
+    assert (trl.estimator, trl.loss_agg, trl.scale_rewards, trl.advantage_norm, trl.kl_coef, trl.clip,
+            trl.clip_high, trl.mask_truncated) == ("grpo", "token-mean", "group", "none", 0.0, 0.2, None, False)
     dr = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "dr-grpo"})
-    assert (dr.estimator, dr.loss_agg, dr.scale_rewards, dr.whiten_advantages, dr.kl_coef) == (
-        "grpo", "seq-mean-token-sum-norm", "none", False, 0.0)
+    assert (dr.estimator, dr.loss_agg, dr.scale_rewards, dr.advantage_norm, dr.kl_coef) == (
+        "grpo", "seq-mean-token-sum-norm", "none", "none", 0.0)
     # the budget stays the preset's: the same 16 x 8 samples, epochs, minibatch and learning rate as grpo
     grpo = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "grpo"})
     for c in (trl, dr):
@@ -263,3 +263,20 @@ def test_two_iterations_without_a_reference(tiny_sft, tmp_path, algo):
         assert r["advantage/left_out"] == pytest.approx(r["train/truncated"])
         assert 0 <= r["clip_fraction/high"] <= r["clip_fraction"]
         assert math.isfinite(r["advantage/loss_mean"]) and r["advantage/loss_abs"] >= 0
+
+
+def test_the_older_whiten_advantages_spelling_still_reads_at_every_level(tmp_path):
+    base = configs.load_preset("arith-tiny")
+    assert configs.resolve(base, {}).advantage_norm == "whiten"
+    assert configs.resolve(base, {"whiten_advantages": "false"}).advantage_norm == "none"
+    # a flag of the older spelling overrides the algorithm's own setting, as --advantage-norm would
+    assert configs.resolve(base, {"algo": "dr-grpo", "whiten_advantages": True}).advantage_norm == "whiten"
+    assert configs.resolve({**base, "whiten_advantages": False}, {"advantage_norm": "scale"}).advantage_norm == "scale"
+    old = tmp_path / "config.yaml"  # a run folder's config.yaml written before --advantage-norm existed
+    old.write_text("algo: vineppo\nwhiten_advantages: false\n")
+    assert configs.load(old).advantage_norm == "none"
+    assert configs.validate(configs.TrainConfig(whiten_advantages=False)).advantage_norm == "none"
+    with pytest.raises(UserError, match="--whiten-advantages says whiten but --advantage-norm says scale"):
+        configs.validate(configs.TrainConfig(whiten_advantages=True, advantage_norm="scale"))
+    with pytest.raises(UserError, match="--advantage-norm: must be one of whiten, scale, none"):
+        configs.resolve(base, {"advantage_norm": "batch"})

@@ -9,14 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import vineppo.core.steps as steps_mod
-from vineppo.core.steps import (
-    MAX_STEP_CHARS,
-    math_spans,
-    split_math,
-    split_newlines,
-    step_token_ranges,
-    token_char_offsets,
-)
+from vineppo.core.steps import (MAX_STEP_CHARS, math_spans, split_math, split_newlines, step_token_ranges,
+                                token_char_offsets)
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

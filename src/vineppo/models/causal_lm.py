@@ -23,15 +23,8 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as bpe
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GPT2Config,
-    LlamaConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config)
 from transformers.utils import logging as hf_logging
 
 from vineppo.core.distributed import pick_device

@@ -5,17 +5,8 @@ own task needs no module: `custom` reads a data set, reward functions and a step
 """
 
 from vineppo.tasks import arith, custom, gsm8k, math  # noqa: F401  (each registers its task)
-from vineppo.tasks.base import (
-                                BOXED_ANSWER,
-                                DATA_HELP,
-                                DEFAULT_PROMPT,
-                                HASH_ANSWER,
-                                TASKS,
-                                Example,
-                                Task,
-                                get_task,
-                                register,
-)
+from vineppo.tasks.base import (BOXED_ANSWER, DATA_HELP, DEFAULT_PROMPT, HASH_ANSWER, TASKS, Example, Task, get_task,
+                                register)
 
 __all__ = ["BOXED_ANSWER", "DATA_HELP", "DEFAULT_PROMPT", "HASH_ANSWER", "TASKS", "Example", "Task", "get_task",
            "register"]

@@ -27,23 +27,13 @@ from vineppo.core import distributed as dist
 from vineppo.core.config import TrainConfig
 from vineppo.core.errors import UserError
 from vineppo.core.grading import Scorer
-from vineppo.credit import CreditContext, Episode, get_estimator, groups, needs
+from vineppo.credit import CreditContext, Episode, get_estimator, groups, needs, normalise, token_mean_std
 from vineppo.engine import SamplingParams
 from vineppo.engine.balanced import BalancedContinuations
 from vineppo.models import lora, parallel
 from vineppo.training import guard
 from vineppo.training.minibatch import Loss, Net, Schedule, chunks, drive
-from vineppo.training.ppo import (
-    Learner,
-    Rollouts,
-    UpdateConfig,
-    loss_weights,
-    pack,
-    ppo_update,
-    token_logprobs,
-    token_mean_std,
-    whiten,
-)
+from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, loss_weights, pack, ppo_update, token_logprobs
 
 
 @dataclass
@@ -111,7 +101,7 @@ def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     metrics.update(_reduce_stats(credit.stats))
     if mc_engine.states_run:
         metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
-    advantages = whiten(credit.advantages) if cfg.whiten_advantages else credit.advantages
+    advantages = normalise(credit.advantages, cfg.advantage_norm)
     metrics["time/credit_s"] = time.perf_counter() - t0
 
     ctx.status("updating")

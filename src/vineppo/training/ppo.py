@@ -355,20 +355,6 @@ class Critic(nn.Module):
 
 
 
-def token_mean_std(values: list[torch.Tensor]) -> tuple[float, float]:
-    """Mean and (population) standard deviation of all elements, over every rank."""
-    flat = torch.cat(values).double()
-    n, s, ss = dist.all_sum([float(flat.numel()), float(flat.sum()), float((flat**2).sum())])
-    mean = s / max(n, 1)
-    return mean, math.sqrt(max(ss / max(n, 1) - mean**2, 0.0))
-
-
-def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Shift and scale all tokens' advantages (over every rank) to mean 0, std 1."""
-    mean, std = token_mean_std(advantages)
-    return [((a - mean) / (std + 1e-8)).float() for a in advantages]
-
-
 @dataclass
 class UpdateConfig:
     """The knobs of one PPO update (a view of TrainConfig)."""
