@@ -340,9 +340,7 @@ def _ensure_start_model(preset: str, train_args: str) -> None:
     """Train the shared default SFT model once, before parallel runs would each start training it."""
     cfg = configs.resolve(configs.load_preset(preset), {})
     if cfg.model == "auto" and "--model" not in train_args:
-        from vineppo.training.sft import (
-            default_model,  # loads torch and transformers: only when the SFT model is to be made
-        )
+        from vineppo.training.sft import default_model  # torch and transformers: only when the SFT model is made
 
         default_model(cfg.task, cfg.data, train_missing=True)
 

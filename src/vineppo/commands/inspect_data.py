@@ -128,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
     examples = task.load(args.split, args.data, args.seed)
     tokenizer = None
     if args.model:
-        from vineppo.models.causal_lm import (
-            load_model,  # torch and transformers: only when a model's prompts are asked for
-        )
+        from vineppo.models.causal_lm import load_model  # torch and transformers: only for a model's prompts
 
         tokenizer = load_model(args.model, device="cpu", verbose=False)[1]
     prompter = Prompter(task, tokenizer, args.prompt_format, model=args.model, data=args.data, seed=args.seed) \
