@@ -49,7 +49,7 @@ from vineppo.engine import Engine, SamplingParams
 from vineppo.models import parallel
 from vineppo.models.causal_lm import load_model, train_tokenizer
 from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, ppo_update
-from vineppo.training.trainer import build_models, policy_dtype
+from vineppo.training.run import build_models, policy_dtype
 
 SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)

@@ -38,7 +38,7 @@ from vineppo.engine import Engine, Request, SamplingParams
 from vineppo.engine.budget import auto_token_budget, kv_bytes_per_token
 from vineppo.models.causal_lm import pretrained, seeded_generator
 from vineppo.training import ppo
-from vineppo.training.trainer import build_models
+from vineppo.training.run import build_models
 
 SHAPES = {  # Qwen2 configurations, as their config.json files give them
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

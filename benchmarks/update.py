@@ -51,8 +51,9 @@ from vineppo.models.causal_lm import load_model, seeded_generator
 from vineppo.models.prompts import Prompter
 from vineppo.tasks import get_task
 from vineppo.training import algorithms, ppo
-from vineppo.training.ppo import can_share, pack, token_logprobs
-from vineppo.training.trainer import build_models, graded_episodes
+from vineppo.training.forward import can_share, pack, token_logprobs
+from vineppo.training.run import build_models
+from vineppo.training.trainer import graded_episodes
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trl_grpo.py"
 
@@ -67,8 +68,8 @@ def setup(model_dir: str, seed: int = 0, **smaller):
     models = build_models(cfg, policy, torch.device("cpu"))  # the set-up `vineppo train` makes
     prompter = Prompter(task, tok, cfg.prompt_format, model=model_dir)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(task.stop))
-    ctx = algorithms.Context(cfg, models.policy, models.reference, models.trained.optimizer, tok,
-                             Engine(models.trained.policy, tok, cfg.token_budget), params, task.score)
+    ctx = algorithms.Context(cfg=cfg, models=models, tokenizer=tok, engine=Engine(models.trained.policy, tok,
+                             cfg.token_budget), params=params, score=task.score)
     return cfg, task, prompter, ctx
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vineppo import agents
 from vineppo.agents import AgentEngine, for_task
 from vineppo.core import config as configs
 from vineppo.core.errors import RewardError, UserError
@@ -19,7 +20,8 @@ from vineppo.credit import CreditContext, get_estimator
 from vineppo.engine import Request, Sample, SamplingParams
 from vineppo.tasks import Example
 from vineppo.tasks.agent import AgentSpec, Markup, load_env, load_tools, tool_of
-from vineppo.training.ppo import Surrogate, micro_batches, pack, policy_loss, token_logprobs
+from vineppo.training.forward import pack, token_logprobs
+from vineppo.training.ppo import Surrogate, micro_batches, policy_loss
 from vineppo.training.trainer import _episode
 
 EOS = 3
@@ -45,6 +47,7 @@ class Script:
 
     def __init__(self, turn, call_more=True):
         self.turn, self.call_more, self.tokenizer, self.model, self.calls = turn, call_more, TOK, None, 0
+        self.logprobs_are_the_policys = False
 
     def continuations(self, req: Request):
         self.calls += 1
@@ -127,13 +130,15 @@ def _calculator(text: str) -> str:
 @pytest.mark.parametrize("call_more", [True, False])
 def test_a_tool_call_is_answered_and_its_tokens_are_not_the_policys(call_more):
     engine = _engine(_calculator, call_more=call_more)
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
     inserted = "<tool_response>5</tool_response>\n"
     assert s.text == CALL + inserted + "It is 5." and s.finish_reason == "stop"
-    assert s.mask == [1] * len(CALL) + [0] * len(inserted) + [1] * (len("It is 5.") + 1)  # + EOS
-    assert s.turns == [0, len(CALL) + len(inserted)]
-    assert [m["role"] for m in s.messages] == ["assistant", "tool", "assistant"] and s.messages[1]["content"] == "5"
-    assert engine.take_stats() == {"agent/turns": 2.0, "agent/tool_calls": 1.0}
+    assert s.dialogue.mask == [1] * len(CALL) + [0] * len(inserted) + [1] * (len("It is 5.") + 1)  # + EOS
+    assert s.dialogue.starts == [0, len(CALL) + len(inserted)]
+    assert [m["role"] for m in s.dialogue.messages] == ["assistant", "tool", "assistant"]
+    assert s.dialogue.messages[1]["content"] == "5"
+    assert agents.counts([s]) == {"agent/tool_calls": 1.0, "agent/turns": 2.0}  # counted on its own dialogue
+    assert agents.counts([s, s], "mc/") == {"mc/agent/tool_calls": 2.0, "mc/agent/turns": 4.0}
 
 
 def test_tool_faults_go_back_to_the_model_and_are_counted():
@@ -145,22 +150,22 @@ def test_tool_faults_go_back_to_the_model_and_are_counted():
         return script[calls]
 
     engine = _engine(turn, tools=(boom, slow), max_turns=5, timeout=0.2, total=1000)
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
-    results = [m["content"] for m in s.messages if m["role"] == "tool"]
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    results = [m["content"] for m in s.dialogue.messages if m["role"] == "tool"]
     assert results[0].startswith("error: ValueError: no luck")
     assert "not JSON" in results[1] and "no tool 'nope'" in results[2] and "past its 0.2 s limit" in results[3]
     assert s.finish_reason == "stop" and s.text.endswith("done")
-    stats = engine.take_stats()
+    stats = agents.counts([s])
     assert (stats["agent/tool_errors"], stats["agent/bad_calls"], stats["agent/unknown_tools"],
             stats["agent/tool_timeouts"]) == (1.0, 1.0, 1.0, 1.0)
 
 
 def test_max_turns_and_the_token_cap_cut_a_dialogue_off():
     engine = _engine(lambda text: CALL, max_turns=3)  # calls for ever
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
-    assert s.finish_reason == "length" and len(s.turns) == 3 and engine.take_stats()["agent/cut_off"] == 1
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    assert s.finish_reason == "length" and len(s.dialogue.starts) == 3 and agents.counts([s])["agent/cut_off"] == 1
     engine = _engine(lambda text: CALL, total=100)
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
     assert s.finish_reason == "length" and len(s.token_ids) == 100
 
 
@@ -190,10 +195,10 @@ def _guesser(text: str) -> str:
 
 def test_an_environment_answers_turns_and_gives_the_reward():
     engine = _engine(_guesser, tools=(), env=Guess)
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
-    assert TOK.decode(s.prompt_ids) == "Q:\nGuess my number."  # reset's first observation joins the prompt
-    assert [m["content"] for m in s.messages] == ["I guess 5.", "higher", "I guess 6.", "higher", "I guess 7."]
-    assert s.reward == 1.0 and s.finish_reason == "stop" and len(s.turns) == 3
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    assert TOK.decode(s.dialogue.prompt_ids) == "Q:\nGuess my number."  # reset's first observation joins the prompt
+    assert [m["content"] for m in s.dialogue.messages] == ["I guess 5.", "higher", "I guess 6.", "higher", "I guess 7."]
+    assert s.dialogue.reward == 1.0 and s.finish_reason == "stop" and len(s.dialogue.starts) == 3
 
 
 def test_an_environments_stop_strings_end_the_models_turn():
@@ -201,9 +206,9 @@ def test_an_environments_stop_strings_end_the_models_turn():
         stop = ("\n",)  # a move is one line: what the model writes after it is not its move
 
     engine = _engine(lambda text: _guesser(text) + "\nhigher\nI guess 9.", tools=(), env=OneLine)
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
-    assert [m["content"] for m in s.messages] == ["I guess 5.\n", "higher", "I guess 6.\n", "higher", "I guess 7.\n"]
-    assert s.reward == 1.0
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    assert [m["content"] for m in s.dialogue.messages] == ["I guess 5.\n", "higher", "I guess 6.\n", "higher", "I guess 7.\n"]
+    assert s.dialogue.reward == 1.0
     with pytest.raises(UserError, match="`stop` must be a tuple of non-empty strings"):
         load_env(type("Bare", (Guess,), {"stop": "\n"}))
 
@@ -223,27 +228,28 @@ def test_a_continuation_from_a_turn_replays_the_dialogue_and_calls_the_tools_aga
 
     engine = _engine(lambda text: CALL.replace("add", "counted") if "<tool_response>" not in text else "It is 5.",
                      tools=(counted,))
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
     assert len(calls) == 1
-    prompt, boundary = s.prompt_ids, len(s.prompt_ids)  # the first turn's state: the prompt itself
-    (cont,), = engine.continuations(Request([prompt + s.token_ids], [[boundary]], 2, PARAMS, records=[s.record]))
+    prompt, boundary = s.dialogue.prompt_ids, len(s.dialogue.prompt_ids)  # the first turn's state: the prompt itself
+    (cont,), = engine.continuations(Request([prompt + s.token_ids], [[boundary]], 2, PARAMS,
+                                            records=[s.dialogue.record]))
     assert [c.token_ids for c in cont] == [s.token_ids] * 2 and len(calls) == 3  # the same dialogue, tools called again
     # from the second turn: the prefix holds the call and its result; the continuation writes the last turn alone
-    (later,), = engine.continuations(Request([prompt + s.token_ids], [[boundary + s.turns[1]]], 1, PARAMS,
-                                             records=[s.record]))
-    assert later[0].text == "It is 5." and later[0].messages == s.messages and len(calls) == 3
+    (later,), = engine.continuations(Request([prompt + s.token_ids], [[boundary + s.dialogue.starts[1]]], 1, PARAMS,
+                                             records=[s.dialogue.record]))
+    assert later[0].text == "It is 5." and later[0].dialogue.messages == s.dialogue.messages and len(calls) == 3
 
 
 def test_a_deterministic_environment_is_rebuilt_and_replayed_and_vine_values_turns():
     engine = _engine(_guesser, tools=(), env=Guess)
-    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
     made = Guess.made
-    (cont,), = engine.continuations(Request([s.prompt_ids + s.token_ids], [[len(s.prompt_ids) + s.turns[2]]], 1,
-                                            PARAMS, records=[s.record]))
-    assert Guess.made == made + 1 and cont[0].messages == s.messages and cont[0].reward == 1.0
+    (cont,), = engine.continuations(Request([s.dialogue.prompt_ids + s.token_ids], [[len(s.dialogue.prompt_ids) + s.dialogue.starts[2]]], 1,
+                                            PARAMS, records=[s.dialogue.record]))
+    assert Guess.made == made + 1 and cont[0].dialogue.messages == s.dialogue.messages and cont[0].dialogue.reward == 1.0
     # VinePPO over turns: a state at every turn; the continuations from each win (the guesser is deterministic)
     ep = _episode(SimpleNamespace(step_turns=True, step_tokens=0), TOK, [], s, 0, EX, 1.0)
-    assert ep.steps == [(0, s.turns[1]), (s.turns[1], s.turns[2]), (s.turns[2], len(s.token_ids))]
+    assert ep.steps == [(0, s.dialogue.starts[1]), (s.dialogue.starts[1], s.dialogue.starts[2]), (s.dialogue.starts[2], len(s.token_ids))]
     ctx = CreditContext(rollouts=engine, tokenizer=TOK, score=lambda *a: pytest.fail("the environment rewards"),
                         params=PARAMS, mc_k=2)
     credit = get_estimator("vine")([ep], ctx)
@@ -257,7 +263,7 @@ def test_an_environment_that_raises_stops_with_the_rows_id():
 
     engine = _engine(_guesser, tools=(), env=Broken)
     with pytest.raises(RewardError, match="row-1: the environment's step raised KeyError"):
-        engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, records=[EX])
+        engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
 
 
 def test_vineppo_refuses_an_environment_it_cannot_rebuild_and_bad_tools_are_one_line():

@@ -14,7 +14,7 @@ from vineppo.credit import Episode
 from vineppo.models.causal_lm import load_model
 from vineppo.tasks import TASKS, Example, get_task, register
 from vineppo.training import algorithms
-from vineppo.training.algorithms import Context, dpo_positive_loss, keep_correct, preference_pairs
+from vineppo.training.algorithms import Context, Models, dpo_positive_loss, keep_correct, preference_pairs
 from vineppo.training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,13 +163,13 @@ def test_restem_restarts_from_the_sft_weights_every_round(tiny_sft, monkeypatch)
     assert not all(torch.equal(policy.state_dict()[k], sft[k]) for k in sft)
     cfg = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "restem", "samples_per_prompt": 4,
                                                              "restem_keep": 2, "epochs": 2, "minibatch": 2})
-    ctx = Context(cfg, policy, reference, optimizer, tokenizer, None, None, None,
+    ctx = Context(cfg=cfg, models=Models(policy, reference, optimizer), tokenizer=tokenizer,
                   order_generator=torch.Generator().manual_seed(0))
     seen = {}
     real = algorithms.minibatch_steps
 
     def spy(ctx, ids, weights, loss_fn):
-        seen.update(weights_then=ctx.policy.state_dict(), moments=len(ctx.optimizer.state), ids=ids)
+        seen.update(weights_then=ctx.models.policy.state_dict(), moments=len(ctx.models.optimizer.state), ids=ids)
         seen["weights_then"] = {k: v.clone() for k, v in seen["weights_then"].items()}
         return real(ctx, ids, weights, loss_fn)
 
@@ -266,7 +266,7 @@ def test_restem_under_lora_restarts_from_fresh_adapters(tiny_sft):
         want = base(input_ids=ids).logits
         assert not torch.allclose(policy(input_ids=ids).logits, want, atol=1e-4)
         cfg = configs.resolve(configs.load_preset("arith-tiny"), {"algo": "restem", "lora_r": 4})
-        ctx = Context(cfg, policy, lora.AdaptersOff(policy), optimizer, tokenizer, None, None, None)
+        ctx = Context(cfg=cfg, models=Models(policy, lora.AdaptersOff(policy), optimizer), tokenizer=tokenizer)
         algorithms.restart_from_sft(ctx)
         assert torch.equal(policy(input_ids=ids).logits, want)  # fresh adapters (B = 0): the base model exactly
     assert len(optimizer.state) == 0
@@ -317,8 +317,8 @@ def _sampled_grpo_update(tiny_sft, use_sampler: bool):
     calls = []
     policy.register_forward_hook(lambda *a: calls.append(1))
     # SGD, not AdamW: its steps are proportional to the gradients, so equal gradients give equal weights
-    ctx = Context(cfg, policy, reference, torch.optim.SGD(policy.parameters(), lr=0.1), tok, engine, params,
-                  None, order_generator=torch.Generator().manual_seed(0))
+    ctx = Context(cfg=cfg, models=Models(policy, reference, torch.optim.SGD(policy.parameters(), lr=0.1)),
+                  tokenizer=tok, engine=engine, params=params, order_generator=torch.Generator().manual_seed(0))
     metrics = algorithms.ppo_family(episodes, ctx)
     return metrics, {k: v.clone() for k, v in policy.state_dict().items()}, len(calls)
 

@@ -159,7 +159,7 @@ def test_analyze_without_critic_reports_none():
 def test_cli_smoke_on_tiny_model(tmp_path, capsys):
     from vineppo.cli import main
     from vineppo.models.causal_lm import build_tiny
-    from vineppo.training.ppo import Critic
+    from vineppo.training.forward import Critic
 
     model_dir = build_tiny(get_task("arith"), tmp_path / "tiny", hidden=32, layers=1, heads=2, mlp=64)
     # a fake PPO run folder: checkpoints/latest -> iter-000001 with the policy and a critic.pt

@@ -57,6 +57,8 @@ def test_vine_with_a_train_fraction_keeps_the_responses_advantages_and_adds_the_
 
 
 class SleepyEngine(FakeEngine):
+    logprobs_are_the_policys = False
+
     def sleep(self):
         pass
 
@@ -76,7 +78,7 @@ def test_the_update_trains_the_chosen_continuations_beside_the_episodes(monkeypa
     def run(fraction: float) -> dict:
         cfg = configs.resolve({}, dict(algo="vineppo", mc_k=4, mc_train_fraction=fraction, kl_coef=0.0,
                                        samples_per_prompt=1))
-        ctx = algorithms.Context(cfg=cfg, policy=torch.nn.Linear(1, 1), reference=None, optimizer=None,
+        ctx = algorithms.Context(cfg=cfg, models=algorithms.Models(torch.nn.Linear(1, 1), None, None),
                                  tokenizer=PadTokenizer(), engine=SleepyEngine([[2, 3]]), params=PARAMS,
                                  score=ends_with_answer, generator=torch.Generator())
         return algorithms.ppo_family(list(episodes), ctx)

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from vineppo.credit import CreditContext, Episode, gae, get_estimator, step_advantages
+from vineppo.credit import CreditContext, Episode, gae, get_estimator, normalise, step_advantages
 from vineppo.engine import Sample, SamplingParams
 from vineppo.tasks import Example, get_task
-from vineppo.credit import normalise
-from vineppo.training.ppo import Surrogate, pack, policy_loss, value_loss
+from vineppo.training.forward import pack
+from vineppo.training.ppo import Surrogate, policy_loss, value_loss
 
 
 def _ep(reward, n_tokens=4, group=0, steps=None):
@@ -286,7 +286,7 @@ def _qwen(vocab=300):
 def test_log_probs_in_chunks_of_positions_equal_the_whole_forward(share, monkeypatch):
     """Past LOGITS_BYTES of logits, token_logprobs runs the head on chunks of positions, recomputed in the backward
     pass: the same log-probs, entropies and gradients as the model's own forward (float32 rounding)."""
-    from vineppo.training import ppo
+    from vineppo.training import forward as ppo
 
     model = _qwen()
     batch = pack([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11]], [[20, 21, 22, 23, 24], [30, 31], [40, 41, 42]], 0,
@@ -307,7 +307,7 @@ def test_log_probs_in_chunks_of_positions_equal_the_whole_forward(share, monkeyp
 
 def test_a_model_whose_logits_are_not_its_head_of_the_last_state_is_not_chunked(monkeypatch):
     """Soft-capped or scaled logits (Gemma, Cohere, Granite) are not head(hidden): such a model keeps its own forward."""
-    from vineppo.training import ppo
+    from vineppo.training import forward as ppo
 
     model = _qwen()
     forward = model.forward

@@ -630,11 +630,17 @@ def test_a_reward_that_names_trl_s_arguments_or_takes_none_of_them():
     check_signature("names_them", names_them, ["answer"])  # refused before: "trainer_state is not a column"
     check_signature("takes_none", takes_none, ["answer"])
     rewards = Rewards([("names_them", names_them), ("takes_none", takes_none)])
-    assert rewards(_batch(["a", "b"], answer=["1", "2"])) == [1.5, 1.5]
+    with rewards.log.recording() as outer:
+        with rewards.log.recording() as inner:
+            assert rewards(_batch(["a", "b"], answer=["1", "2"])) == [1.5, 1.5]
+        rewards(_batch(["c"], answer=["3"]))  # after the inner recording closed: only the outer one sees it
     assert seen["state"].global_step == 0 and seen["state"].max_steps == 0
-    call = rewards.log.take_calls()[-1]
+    call = inner.calls[-1]
     assert call.values == {"names_them": [1.0, 1.0], "takes_none": [0.5, 0.5]} and call.extra == {"note": ["x", "x"]}
-    assert rewards.log.take_metrics() == {"length": (2.0, 1)} and rewards.log.take_metrics() == {}
+    assert inner.sums() == {"length": (2.0, 1)} and outer.sums() == {"length": (4.0, 2)} and len(outer.calls) == 2
+    with rewards.log.recording() as later:
+        pass
+    assert later.sums() == {} and later.calls == []  # nothing is kept between recordings
 
 
 @pytest.mark.parametrize("body, match", [

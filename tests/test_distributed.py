@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 from vineppo.core.config import TrainConfig
 from vineppo.models import parallel
 from vineppo.training import algorithms
-from vineppo.training.ppo import Critic, Learner, Rollouts, UpdateConfig, ppo_update
+from vineppo.training.forward import Critic
+from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, ppo_update
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same float kernels here
 CFG = UpdateConfig(epochs=2, minibatch=4, micro_batch=2, clip=0.2, kl_coef=0.1, temperature=0.7, grad_clip=1.0,
@@ -84,8 +85,8 @@ def _fine_tune(ids, fsdp=False):
     policy = _model()
     trainee = parallel.wrap(policy, torch.device("cpu"), fsdp)
     prompts, responses, *_ = _episodes()
-    ctx = algorithms.Context(TrainConfig(epochs=2, minibatch=4, micro_batch=2), trainee, None,
-                             torch.optim.AdamW(policy.parameters(), lr=1e-2), None, None, None, None,
+    ctx = algorithms.Context(cfg=TrainConfig(epochs=2, minibatch=4, micro_batch=2), tokenizer=None,
+                             models=algorithms.Models(trainee, None, torch.optim.AdamW(policy.parameters(), lr=1e-2)),
                              order_generator=torch.Generator().manual_seed(3))
 
     def nll(idx, total):  # idx: positions in `ids`

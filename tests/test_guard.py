@@ -9,7 +9,7 @@ from vineppo.core.errors import UserError
 from vineppo.models import parallel
 from vineppo.training import guard
 from vineppo.training.ppo import Learner, Rollouts, UpdateConfig
-from vineppo.training.trainer import build_models
+from vineppo.training.run import build_models
 
 
 def _model(seed=0, float16_origin=False):

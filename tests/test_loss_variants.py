@@ -17,9 +17,10 @@ from vineppo.credit import REWARD_SCALES, CreditContext, Episode, get_estimator
 from vineppo.tasks import Example
 from vineppo.training import ppo
 from vineppo.training.algorithms import needs_reference
-from vineppo.training.minibatch import Net, Schedule, chunks, drive
+from vineppo.training.ppo import Net, Schedule, chunks, drive
 from vineppo.training.ppo import Learner, Rollouts, Surrogate, UpdateConfig, loss_weights, policy_loss, ppo_update
-from vineppo.training.trainer import build_models, train
+from vineppo.training.run import build_models
+from vineppo.training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 L1, L2, L3 = math.log(0.5), math.log(0.25), math.log(0.8)
@@ -174,6 +175,38 @@ def test_the_update_takes_the_aggregation_and_the_mask(loss_agg, mask, want):
                        torch.Generator().manual_seed(0))
     assert stats["loss"] / stats["loss_weight"] == pytest.approx(want, rel=1e-5)
     assert "kl" not in stats and stats["clipped"] == 0
+
+
+def test_the_critic_step_runs_alone_on_the_micro_batch_it_is_handed():
+    """Each micro-batch is packed once and handed to both losses: the critic's steps are the same with the policy's
+    loss beside them (which does not move the policy, at lr 0) as without it; neither reads the other's leftovers."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from vineppo.training.forward import Critic
+    from vineppo.training.ppo import Schedule, drive, micro_batches, ppo_losses
+
+    def critic_after(alone: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(1)
+        critic = Critic(LlamaModel(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2)), 8)
+        torch.nn.init.normal_(critic.head.weight)
+        policy = _model()
+        data = Rollouts([[1, 2], [3], [4, 5]], [[6], [7, 8, 9], [10, 11]], [torch.ones(1), torch.ones(3), torch.ones(2)],
+                        0, returns=[torch.ones(1), torch.zeros(3), torch.ones(2)],
+                        old_values=[torch.zeros(1), torch.zeros(3), torch.zeros(2)])
+        cfg = UpdateConfig(epochs=2, minibatch=2, micro_batch=1, clip=0.2, kl_coef=0.0, temperature=1.0,
+                           grad_clip=1.0, value_clip=0.2)
+        nets = Learner(policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), critic,
+                       torch.optim.SGD(critic.parameters(), lr=0.5))
+        steps, prepare, _ = ppo_losses(nets, data, cfg)
+        schedule = Schedule(epochs=2, minibatch=2, grad_clip=1.0, generator=torch.Generator().manual_seed(0),
+                            split=lambda mb: micro_batches(mb, data.prompts, 1), prepare=prepare)
+        drive(steps[1:] if alone else steps, schedule, [0, 1, 2], [1.0, 3.0, 2.0])
+        return {k: v.clone() for k, v in critic.state_dict().items()}
+
+    alone, beside = critic_after(alone=True), critic_after(alone=False)
+    assert all(torch.equal(alone[k], beside[k]) for k in alone)
+    assert not torch.equal(alone["head.bias"], torch.zeros(1))  # the critic did learn
 
 
 def test_the_critic_keeps_its_token_mean_whatever_the_policys_aggregation():

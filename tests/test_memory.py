@@ -17,7 +17,8 @@ from vineppo import cli
 from vineppo.core import config as configs
 from vineppo.models import parallel
 from vineppo.models.prompts import saved_dtype, saved_format
-from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, pack, ppo_update, token_logprobs
+from vineppo.training.forward import pack, token_logprobs
+from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, ppo_update
 from vineppo.training.trainer import return_freed_memory, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,7 +113,7 @@ def test_shared_prompts_give_each_sequences_own_logprobs_and_gradients(arch):
 
 
 def test_prompts_are_not_shared_under_activation_checkpointing():
-    from vineppo.training.ppo import can_share
+    from vineppo.training.forward import can_share
 
     model = _model()
     assert can_share(model)

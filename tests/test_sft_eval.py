@@ -302,12 +302,12 @@ def test_sft_removes_the_temp_folder_a_killed_run_left(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_eval_scores_the_problems_a_run_evaluated_whatever_its_sampling_seed(tiny, tmp_path, seed):
     # --seed is the sampling's; the generated test set comes from --data-seed (0), as in a run's in-run evaluation
-    from vineppo.training.trainer import _load_data
+    from vineppo.training.run import load_data
 
     with pytest.raises(SystemExit) as e:
         cli.main(["eval", "--model", str(tiny), "--task", "arith", "--samples", "1", "--limit", "4", "--seed",
                   str(seed), "--max-new-tokens", "8", "--out", str(tmp_path / "r.jsonl"), "--json"])
     assert e.value.code == 0
     scored = [(r["id"], r["answer"]) for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())]
-    _, in_run, _ = _load_data(configs.TrainConfig(seed=seed, eval_problems=4), get_task("arith"))
+    in_run = load_data(configs.TrainConfig(seed=seed, eval_problems=4), get_task("arith")).test
     assert scored == [(ex.id, ex.answer) for ex in in_run]

@@ -21,7 +21,8 @@ from vineppo.core.tracking import Tracker, plan, plot_run
 from vineppo.credit import Episode
 from vineppo.tasks import TASKS, Example, Task, get_task, register
 from vineppo.training import trainer
-from vineppo.training.trainer import RunState, rounded, train
+from vineppo.training.run import RunState
+from vineppo.training.trainer import rounded, train
 
 SMALL = dict(prompts_per_iter=4, samples_per_prompt=4, max_new_tokens=64, mc_k=2, mc_max_states=4, minibatch=8,
              micro_batch=8, eval_problems=4, eval_samples=2, eval_every=1, save_every=1, tensorboard=False)

@@ -15,7 +15,7 @@ from test_agents import PlainPrompter, add
 from test_engine import _chi2_gof, _nucleus, _prompts, char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vineppo import cli
+from vineppo import agents, cli
 from vineppo.agents import AgentEngine
 from vineppo.core import config as configs
 from vineppo.core.errors import UserError
@@ -121,8 +121,9 @@ def test_greedy_dialogues_equal_the_native_engines(tiny, engine):
 
     def dialogues(inner):
         agent = AgentEngine(inner, spec, PlainPrompter(), lambda ex: {}, 5.0)
-        out = agent.generate(prompts, 2, params, records=records)
-        return [[(s.token_ids, s.mask, s.turns, s.finish_reason) for s in r] for r in out], agent.take_stats()
+        out = agent.generate(prompts, 2, params, examples=records)
+        samples = [[(s.token_ids, s.dialogue.mask, s.dialogue.starts, s.finish_reason) for s in r] for r in out]
+        return samples, agents.counts(s for r in out for s in r)
 
     want, counts = dialogues(Engine(model, tok))
     got, got_counts = dialogues(engine)

@@ -55,7 +55,7 @@ def evaluate(config: TrainConfig, eval_data: Rows = None, reward: Reward | list[
     examples = task.load(cfg.eval_split, cfg.eval_data, cfg.data_seed)[: cfg.eval_problems or None]
     got = load(LoadSpec(cfg.model, task, cfg.prompt_format, cfg.data, cfg.data_seed, cfg.device,
                         None if cfg.dtype == "auto" else cfg.dtype, cfg.engine, cfg.token_budget or 65536))
-    settings = evaluation.EvalSettings(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed)
+    settings = evaluation.EvalSettings.of(cfg, seed=cfg.seed)
     engine = agents.for_task(got.engine, task, got.prompter, cfg.reward_timeout_s, resume=False)
     return evaluation.evaluate(engine, task, examples, settings, got.prompter)
 

@@ -1,5 +1,5 @@
-"""One dialogue in progress: the policy's turns, the tokens tools and an environment insert between them, and what
-resuming it at one of its turns needs.
+"""One dialogue in progress (`Dialogue`), and what its finished Sample carries (`Turns`): the policy's turns, the tokens
+tools and an environment insert between them, the messages, and what resuming it at one of its turns needs.
 
 Tokens are kept as the model reads them: the prompt, then everything after it (`after`), each token marked as the
 policy's or inserted (`mask`). A turn starts where the policy writes next; `snapshots` hold, for each turn start,
@@ -10,9 +10,10 @@ deterministic environment's replay).
 from __future__ import annotations
 
 import copy as copying
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from vineppo.engine.api import Sample
 
@@ -29,7 +30,7 @@ class Snapshot:
 
 @dataclass
 class Record:
-    """What resuming a dialogue at one of its turns needs (Sample.record, kept on its episode)."""
+    """What resuming a dialogue at one of its turns needs (Turns.record)."""
 
     example: Any
     prompt: list[int]
@@ -45,6 +46,29 @@ class Record:
             if snap.tokens == offset:
                 return snap
         raise ValueError(f"no turn starts at response offset {offset}")
+
+
+@dataclass
+class Turns:
+    """A dialogue's Sample.dialogue: everything a dialogue has that a single-turn sample does not."""
+
+    prompt_ids: list[int]  # the prompt it continues (an environment's first observation joined the given one)
+    mask: list[int]  # per token of the sample: 1 the policy's, 0 inserted by a tool or the environment
+    starts: list[int]  # offsets in the sample's tokens where the policy's turns start
+    messages: list[dict]  # the whole dialogue after the prompt, as chat messages (what rewards read)
+    reward: float | None = None  # the environment's reward, when it gives one
+    record: Record | None = None  # what resuming the dialogue at one of its turns needs (Request.records)
+    counts: dict[str, float] = field(default_factory=dict)  # its turns, tool calls and faults (`counts` sums them)
+
+
+def counts(samples: Iterable[Any], prefix: str = "") -> dict[str, float]:
+    """The dialogues' counts summed (PREFIX + agent/NAME): turns, tool calls, bad and unknown calls, tool errors and
+    time-outs, cut-off dialogues; none for single-turn samples."""
+    total: Counter = Counter()
+    for s in samples:
+        if s.dialogue is not None:
+            total.update(s.dialogue.counts)
+    return {f"{prefix}agent/{k}": float(v) for k, v in sorted(total.items())}
 
 
 @dataclass
@@ -66,6 +90,7 @@ class Dialogue:
     reward: float | None = None  # the environment's
     pending: tuple[str, Future, str] | None = None  # (tool or env, the call under way, the turn's end token)
     seen: bool = False  # this round's turn has been taken in
+    counts: Counter = field(default_factory=Counter)  # turns, tool calls and faults of this rollout (Turns.counts)
 
     def begin_turn(self) -> None:
         """Mark the start of a policy turn and snapshot the dialogue there."""
@@ -80,13 +105,12 @@ class Dialogue:
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
 
     def sample(self, tokenizer) -> Sample:
-        """This rollout as a Sample: its own tokens (from `start`), their mask and turns, the whole dialogue's messages,
-        and the record that resumes it."""
+        """This rollout as a Sample: its own tokens (from `start`), and its Turns: their mask and starts, the whole
+        dialogue's messages, the record that resumes it, its counts."""
         own = self.after[self.start:]
         record = Record(self.example, self.prompt, list(self.after), list(self.mask), copying.deepcopy(self.messages),
                         list(self.actions), list(self.snapshots))
+        turns = Turns(list(self.prompt), self.mask[self.start:], [t - self.start for t in self.turns if t >= self.start],
+                      copying.deepcopy(self.messages), self.reward, record, dict(self.counts))
         return Sample(own, tokenizer.decode(own, skip_special_tokens=True), self.logprobs[self.start:],
-                      self.finish or "length", mask=self.mask[self.start:],
-                      turns=[t - self.start for t in self.turns if t >= self.start],
-                      messages=copying.deepcopy(self.messages), reward=self.reward, record=record,
-                      prompt_ids=list(self.prompt))
+                      self.finish or "length", dialogue=turns)

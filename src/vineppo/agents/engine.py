@@ -8,7 +8,7 @@ stops at the tool-call markup's close, at an end-of-turn token or at its token l
 the other rows keep decoding; the round ends when the job does, and the next one starts once every answer of the
 round is in (so the same seed gives the same dialogues). A tool call runs with the reward's time limit: past it, or
 when the tool raises, the model reads the error as the tool's result; a call the model writes wrongly, or to a tool
-that does not exist, gets a message back. Every fault is counted per iteration (`take_stats`).
+that does not exist, gets a message back. Every fault is counted on its dialogue (`Turns.counts`; `counts` sums them).
 
 VinePPO's continuations from a turn (`continuations` with `Request.records`) start from the dialogue as it was
 there: its tokens, its messages, and its environment, copied at that turn or rebuilt from its row and replayed with
@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy as copying
 import dataclasses
-from collections import Counter
 from typing import Any, Callable
 
 from vineppo.agents.dialogue import Dialogue, Record
@@ -35,33 +34,22 @@ WORKERS = 8  # threads for tool calls and environment steps: the calls of a roun
 class AgentEngine:
     """A rollout engine whose samples are dialogues (the RolloutEngine interface over an inner engine)."""
 
-    logprobs_are_the_policys = False  # set from the inner engine in __init__
-
     def __init__(self, engine, spec: AgentSpec, prompter, row_of: Callable[[Any], dict], timeout_s: float = 60.0):
         self.engine, self.spec, self.prompter, self.row_of = engine, spec, prompter, row_of
         self.tokenizer, self.model = engine.tokenizer, engine.model
-        self.logprobs_are_the_policys = getattr(engine, "logprobs_are_the_policys", False)
+        self.logprobs_are_the_policys = engine.logprobs_are_the_policys  # a dialogue's own tokens are the inner's
         self.timeout_s = timeout_s or None
         self.pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="vineppo-tool")
-        self.stats: Counter = Counter()
         self.template = prompter.tool_format == "template"  # tool results as the chat template's tool turns
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    def take_stats(self) -> dict[str, float]:
-        """The counts since the last take (agent/...): turns, tool calls and their faults, cut-off dialogues."""
-        out, self.stats = {f"agent/{k}": float(v) for k, v in self.stats.items()}, Counter()
-        return out
 
     # ------------------------------------------------------------------ the interface
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams, generator=None, progress=None,
-                 records: list | None = None) -> list[list[Sample]]:
-        """n dialogues per prompt; `records` holds each prompt's example (its row resets the environment)."""
-        if records is None:
-            raise ValueError("a multi-turn engine needs each prompt's example (records=)")
-        dialogues = [[self._fresh(p, ex) for _ in range(n)] for p, ex in zip(prompts, records)]
+                 examples: list | None = None) -> list[list[Sample]]:
+        """n dialogues per prompt; `examples` holds each prompt's example (its row resets the environment)."""
+        if examples is None:
+            raise ValueError("a multi-turn engine needs each prompt's example (examples=)")
+        dialogues = [[self._fresh(p, ex) for _ in range(n)] for p, ex in zip(prompts, examples)]
         self._run([d for per in dialogues for d in per], params, generator, progress)
         return [[d.sample(self.tokenizer) for d in per] for per in dialogues]
 
@@ -121,7 +109,7 @@ class AgentEngine:
                 d.seen = False
                 if len(d.actions) >= self.spec.max_turns or len(d.after) >= cap:
                     d.finish = "length"  # still going after its last turn, or out of tokens: cut off
-                    self.stats["cut_off"] += 1
+                    d.counts["cut_off"] += 1
                 else:
                     d.begin_turn()
             live = [d for d in live if d.finish is None]
@@ -146,12 +134,12 @@ class AgentEngine:
         d.add(list(s.token_ids), True, s.logprobs)
         d.actions.append(s.text)
         d.messages.append({"role": "assistant", "content": s.text})
-        self.stats["turns"] += 1
+        d.counts["turns"] += 1
         if s.finish_reason == "length":
             d.finish = "length"
-            self.stats["cut_off"] += 1
+            d.counts["cut_off"] += 1
         elif self.spec.tools and s.text.rstrip().endswith(self.spec.markup.call_close):
-            d.pending = ("tool", self.pool.submit(self._tool, s.text), self._ended_with(s))
+            d.pending = ("tool", self.pool.submit(self._tool, s.text, d.counts), self._ended_with(s))
         elif self.spec.env is not None:
             d.pending = ("env", self.pool.submit(self._env_call, d, "step", s.text), self._ended_with(s))
         else:
@@ -162,18 +150,18 @@ class AgentEngine:
         last = s.token_ids[-1:] if s.token_ids else []
         return self.tokenizer.decode(last) if last and last[0] in set(self.tokenizer.all_special_ids) else ""
 
-    def _tool(self, text: str) -> tuple[str, str]:
-        """Run the call written at the end of `text`; (tool name or '', its result or an error message)."""
+    def _tool(self, text: str, counts) -> tuple[str, str]:
+        """Run the call written at the end of `text`, counted in `counts`; (tool name or '', its result or an error)."""
         found = self.spec.call(text)
         if isinstance(found, str):
-            self.stats["bad_calls" if "no tool" not in found else "unknown_tools"] += 1
+            counts["bad_calls" if "no tool" not in found else "unknown_tools"] += 1
             return "", found
         name, args = found
-        self.stats["tool_calls"] += 1
+        counts["tool_calls"] += 1
         try:
             return name, str(self.spec.tools[name].fn(**args))
         except Exception as e:  # noqa: BLE001 - a tool's error goes back to the model as its result, as TRL does
-            self.stats["tool_errors"] += 1
+            counts["tool_errors"] += 1
             return name, f"error: {one_line(e)}"
 
     def _answer(self, d: Dialogue, cap: int) -> None:
@@ -185,7 +173,7 @@ class AgentEngine:
             if kind == "env":
                 raise RewardError(f"{getattr(d.example, 'id', '?')}: the environment's step ran past its "
                                   f"{self.timeout_s:g} s limit (--reward-timeout-s)") from None
-            self.stats["tool_timeouts"] += 1
+            d.counts["tool_timeouts"] += 1
             answer = ("", f"error: the call ran past its {self.timeout_s:g} s limit")
         if kind == "env":
             self._observe(d, answer, ended_with, cap)
@@ -216,7 +204,7 @@ class AgentEngine:
         d.add(ids[: max(0, cap - len(d.after))], False)
         if len(d.after) >= cap:
             d.finish = "length"
-            self.stats["cut_off"] += 1
+            d.counts["cut_off"] += 1
 
     def _env_call(self, d: Dialogue, method: str, arg):
         """An environment's reset or step; what it raises stops the run with the example's id (RewardError)."""

@@ -50,7 +50,7 @@ from vineppo.engine import Request, SamplingParams
 from vineppo.engine.loading import LoadSpec, load
 from vineppo.models.prompts import Prompter
 from vineppo.tasks import Example, get_task
-from vineppo.training.ppo import Critic
+from vineppo.training.forward import Critic
 from vineppo.training.runs import output_folder
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo", "tempo")

@@ -58,6 +58,7 @@ class Sample(Protocol):
     token_ids: list[int]
     text: str
     finish_reason: str
+    dialogue: Any  # a dialogue's turns: its `messages` are what rewards read, its `reward` the environment's (or None)
 
 
 # A scorer: one reward (None: none) per completion of items[i] (a task's examples), in one call: Task.score.
@@ -76,7 +77,7 @@ def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], text
     response prefix). A dialogue is scored on its messages, and an environment's reward is the reward."""
     texts = [completion(s, s.text) for s in samples] if texts is None else texts
     token_ids = [list(s.token_ids) for s in samples] if token_ids is None else token_ids
-    given = [getattr(s, "reward", None) for s in samples]
+    given = [s.dialogue.reward if s.dialogue is not None else None for s in samples]
     done = [i for i, s in enumerate(samples) if s.finish_reason == "stop" and given[i] is None]
     scored = score([items[i] for i in done], [texts[i] for i in done], [token_ids[i] for i in done]) if done else []
     out: list[float | None] = [given[i] if s.finish_reason == "stop" and given[i] is not None else 0.0
@@ -88,8 +89,7 @@ def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], text
 
 def completion(sample: Sample, text: str) -> Any:
     """What a reward reads of a sample: a dialogue's messages (tool and environment turns included), else `text`."""
-    messages = getattr(sample, "messages", None)
-    return messages if messages is not None else text
+    return sample.dialogue.messages if sample.dialogue is not None else text
 
 
 def continuation_rewards(score: Scorer, tokenizer, prefix_ids: list[int], samples: list[Sample],

@@ -37,7 +37,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from vineppo.core.errors import RewardError, UserError
 
@@ -74,15 +74,27 @@ class Call:
     extra: dict[str, list]  # log_extra's columns, one value per completion
 
 
+@dataclass(eq=False)  # two recordings are two, whatever they hold (RewardLog.open removes this one)
+class Recording:
+    """What the reward functions logged while it was open (`RewardLog.recording`): their calls and log_metric's
+    scalars, oldest first."""
+
+    calls: list[Call] = field(default_factory=list)
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def sums(self) -> dict[str, tuple[float, int]]:
+        """The logged scalars as (sum, count) per name."""
+        return {k: (sum(v), len(v)) for k, v in self.metrics.items() if v}
+
+
 @dataclass
 class RewardLog:
-    """What the reward functions give besides the weighted sum: `trainer_state`, the scalars of `log_metric`, and the
-    calls (each function's values, `log_extra`'s columns) since the trainer last took them."""
+    """What the reward functions give besides the weighted sum: `trainer_state`, and, to the recordings open while
+    they run, the scalars of `log_metric` and their calls (each function's values, `log_extra`'s columns)."""
 
     state: TrainerState = field(default_factory=TrainerState)
-    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    calls: list[Call] = field(default_factory=list)
     extra: dict[str, list] = field(default_factory=dict)  # the current call's log_extra columns
+    open: list[Recording] = field(default_factory=list)  # the recordings under way (nested: each gets everything)
 
     def log_metric(self, name: str, value: float) -> None:
         """A reward function's scalar (TRL's `log_metric`): averaged per iteration into the metrics as metric/NAME."""
@@ -90,7 +102,8 @@ class RewardLog:
             raise RewardError(f"log_metric: the name must be text, got {name!r}")
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardError(f"log_metric({name!r}, {value!r}): the value must be a finite number")
-        self.metrics[name].append(float(value))
+        for rec in self.open:
+            rec.metrics[name].append(float(value))
 
     def log_extra(self, column: str, values: list) -> None:
         """A column of the completions table (TRL's `log_extra`): one value per completion of the current batch."""
@@ -98,16 +111,30 @@ class RewardLog:
             raise RewardError(f"log_extra: the column name must be text, got {column!r}")
         self.extra.setdefault(column, []).extend(values.tolist() if hasattr(values, "tolist") else list(values))
 
-    def take_metrics(self) -> dict[str, tuple[float, int]]:
-        """The logged scalars since the last take, as (sum, count) per name; the log starts afresh."""
-        out = {k: (sum(v), len(v)) for k, v in self.metrics.items() if v}
-        self.metrics.clear()
-        return out
+    def called(self, call: Call) -> None:
+        """One call of the reward functions, handed to every open recording."""
+        for rec in self.open:
+            rec.calls.append(call)
 
-    def take_calls(self) -> list[Call]:
-        """The calls since the last take, oldest first; the log starts afresh."""
-        out, self.calls = self.calls, []
-        return out
+    @contextmanager
+    def recording(self) -> Iterator[Recording]:
+        """A Recording of what the reward functions log until the block ends."""
+        rec = Recording()
+        self.open.append(rec)
+        try:
+            yield rec
+        finally:
+            self.open.remove(rec)
+
+
+@contextmanager
+def recording(log: RewardLog | None) -> Iterator[Recording]:
+    """`log.recording()`, or an empty Recording for a task whose rewards log nothing (None)."""
+    if log is None:
+        yield Recording()
+        return
+    with log.recording() as rec:
+        yield rec
 
 
 def load_function(spec: str, flag: str = "--reward") -> tuple[str, Callable]:
@@ -234,7 +261,7 @@ class Rewards:
             if len(logged) != n:
                 raise RewardError(f"log_extra({column!r}, ...) got {len(logged)} values for a batch of {n} completions "
                                   f"(one per completion; batch from {batch.where[0]})")
-        self.log.calls.append(Call(values, self.log.extra))
+        self.log.called(Call(values, self.log.extra))
         return total
 
     def _call(self, name: str, fn: Callable, batch: Batch) -> list[float | None]:

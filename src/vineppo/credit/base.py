@@ -40,8 +40,12 @@ class Episode:
     steps: list[tuple[int, int]]  # token ranges [start, end) of the reasoning steps in response_ids
     truncated: bool = False
     logprobs: list[float] | None = None  # the engine's log-probs of response_ids when sampled (see Sample.logprobs)
-    mask: list[int] | None = None  # a dialogue's: 1 on the policy's tokens, 0 on inserted ones (None: all the policy's)
-    record: Any = None  # a dialogue's: what resuming it at one of its turns needs (Sample.record)
+    dialogue: Any = None  # a dialogue's turns (vineppo.agents.Turns: its policy-token mask, what resumes it); None: one turn
+
+    @property
+    def mask(self) -> list[int] | None:
+        """1 on the policy's tokens, 0 on those a tool or the environment inserted (None: every token the policy's)."""
+        return self.dialogue.mask if self.dialogue is not None else None
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vineppo import agents
 from vineppo.core.grading import continuation_rewards
 from vineppo.credit.base import Credit, CreditContext, Episode, Needs, known, register, segment_advantages
 from vineppo.engine import Request, Sample
@@ -109,7 +110,8 @@ def monte_carlo(episodes: list[Episode], states: list[State], ctx: CreditContext
     more = (lambda q, j, samples: next_round(known(scored(q, j, samples)), ctx.mc_k, ctx.mc_k_min, ctx.mc_rule)) \
         if adaptive else None
     eps = [episodes[i] for i in owners]
-    records = [ep.record for ep in eps] if any(ep.record is not None for ep in eps) else None  # dialogues resume
+    dialogues = any(ep.dialogue is not None for ep in eps)  # a dialogue resumes from its record at a turn
+    records = [ep.dialogue.record if ep.dialogue is not None else None for ep in eps] if dialogues else None
     out = ctx.rollouts.continuations(Request(
         [ep.prompt_ids + ep.response_ids for ep in eps],
         [[len(ep.prompt_ids) + st.offset for st in owned[i]] for ep, i in zip(eps, owners)],
@@ -125,7 +127,7 @@ def monte_carlo(episodes: list[Episode], states: list[State], ctx: CreditContext
 def room(ep: Episode, offset: int, max_new_tokens: int) -> int:
     """New tokens a continuation from response offset `offset` may add: what the response had left (a dialogue's
     turns each have max_new_tokens of their own: its engine keeps the dialogue's total)."""
-    return max_new_tokens if ep.record is not None else max_new_tokens - offset
+    return max_new_tokens if ep.dialogue is not None else max_new_tokens - offset
 
 
 def step_credit(episodes: list[Episode], states: States, value: dict[StateKey, float],
@@ -160,7 +162,7 @@ def trained_continuations(episodes: list[Episode], states: list[State],
                 continue
             extra.append(Episode(ep.prompt_ids + ep.response_ids[:st.offset], list(s.token_ids), s.text,
                                  st.rewards[i], ep.group, ep.example, [(0, len(s.token_ids))],
-                                 s.finish_reason != "stop", list(s.logprobs), s.mask))
+                                 s.finish_reason != "stop", list(s.logprobs), s.dialogue))
             advantages.append(torch.full((len(s.token_ids),), float(a)))
     return extra, advantages
 
@@ -186,6 +188,7 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
              "mc/continuations": float(sum(len(st.samples) for st in unique)),
              "mc/tokens": float(sum(len(s.token_ids) for st in unique for s in st.samples)),
              "value/mean": float(v.mean()), "value/std": float(v.std()) if len(v) > 1 else 0.0}
+    stats.update(agents.counts((s for st in unique for s in st.samples), "mc/"))  # dialogues: their turns, calls
     if ctx.mc_train_fraction > 0:
         stats.update({"mc/trained": float(len(extra)), "mc/trained_tokens": float(sum(len(e.response_ids)
                                                                                        for e in extra))})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -37,14 +37,8 @@ class Sample:
     text: str  # tokenizer.decode(token_ids, skip_special_tokens=True)
     logprobs: list[float]  # per token; native: log_softmax(logits / T) before top-p (plain when greedy); vLLM: at T = 1
     finish_reason: str  # "stop" (EOS or stop string) or "length"
-    # A multi-turn dialogue (vineppo.agents) also has tokens a tool or an environment inserted:
-    mask: list[int] | None = None  # per token: 1 the policy's, 0 inserted (None: every token the policy's)
-    turns: list[int] | None = None  # offsets in token_ids where the policy's turns start
-    messages: list[dict] | None = None  # the whole dialogue after the prompt, as chat messages (what rewards read)
-    reward: float | None = None  # the environment's reward, when it gives one
-    record: object = None  # what resuming the dialogue at one of its turns needs (the agent engine's)
-    prompt_ids: list[int] | None = None  # the prompt it continues, when the engine changed it (an environment's first
-    # observation); None: the prompt it was given
+    dialogue: Any = None  # a multi-turn dialogue's turns (vineppo.agents.Turns: its masks, messages, reward, what resumes
+    # it); None for a single-turn sample
 
 
 Progress = Callable[[int], None]  # called with the number of samples finished so far in the job
@@ -64,7 +58,7 @@ class Request:
     progress: Progress | None = None  # called as samples finish
     budgets: list[list[int]] | None = None  # per boundary, new tokens at most (None: params.max_new_tokens each)
     more: More | None = None  # adaptive: further rounds for the prefixes that ask for them
-    records: list | None = None  # per sequence, what a multi-turn engine needs to resume it (Sample.record)
+    records: list | None = None  # per sequence, what a multi-turn engine resumes it from (its Turns.record)
 
     def checked(self) -> Request:
         """This request with its budgets filled in, or a ValueError naming what is wrong with it."""
@@ -79,12 +73,13 @@ class RolloutEngine(Protocol):
 
     model: torch.nn.Module  # the model it samples from (evaluation reads its context length and device)
     tokenizer: object  # the tokenizer its samples are decoded with
+    logprobs_are_the_policys: bool  # Sample.logprobs are log_softmax(logits / T) of `model` itself (PPO's old log-probs)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  generator: torch.Generator | None = None, progress: Progress | None = None,
-                 records: list | None = None) -> list[list[Sample]]:
-        """n samples per prompt; `records` (one per prompt) is what a multi-turn engine needs of each (its example),
-        which single-turn backends ignore."""
+                 examples: list | None = None) -> list[list[Sample]]:
+        """n samples per prompt; `examples` (one per prompt: its task example) are what a multi-turn engine resets its
+        environment and tools with, which single-turn backends ignore."""
 
     def continuations(self, req: Request) -> list[list[list[Sample]]]:
         """result[i][j]: k samples continuing sequences[i][:boundaries[i][j]], each of at most budgets[i][j] tokens.

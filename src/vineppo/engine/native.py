@@ -91,8 +91,8 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  generator: torch.Generator | None = None, progress: Progress | None = None,
-                 records: list | None = None) -> list[list[Sample]]:
-        """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples (`records`: what
+                 examples: list | None = None) -> list[list[Sample]]:
+        """n samples per prompt; each prompt's KV cache is computed once and shared by its n samples (`examples`: what
         a multi-turn engine reads of each prompt; unused here)."""
         check_prompts(prompts)
         out = self._run(Request(prompts, [[len(p)] for p in prompts], n, params, generator, progress).checked())

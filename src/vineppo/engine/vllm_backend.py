@@ -110,8 +110,8 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  generator: torch.Generator | None = None, progress: Progress | None = None,
-                 records: list | None = None) -> list[list[Sample]]:
-        """n samples per prompt; vLLM's prefix cache shares each prompt's KV blocks among them (`records`: unused)."""
+                 examples: list | None = None) -> list[list[Sample]]:
+        """n samples per prompt; vLLM's prefix cache shares each prompt's KV blocks among them (`examples`: unused)."""
         check_prompts(prompts)
         check_job(n, params)
         return self._run([list(p) for p in prompts], n, [params.max_new_tokens] * len(prompts), params, generator,

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from vineppo.core import config as configs
@@ -27,30 +26,35 @@ from vineppo.core import distributed as dist
 from vineppo.core.config import TrainConfig
 from vineppo.core.errors import UserError
 from vineppo.core.grading import Scorer
-from vineppo.credit import CreditContext, Episode, get_estimator, groups, needs, normalise, token_mean_std
-from vineppo.engine import SamplingParams
+from vineppo.credit import Credit, CreditContext, Episode, get_estimator, groups, needs, normalise, token_mean_std
+from vineppo.engine import RolloutEngine, SamplingParams
 from vineppo.engine.balanced import BalancedContinuations
 from vineppo.models import lora, parallel
-from vineppo.training import guard
-from vineppo.training.minibatch import Loss, Net, Schedule, chunks, drive
-from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, loss_weights, pack, ppo_update, token_logprobs
+from vineppo.training import guard, runs
+from vineppo.training.forward import pack, token_logprobs
+from vineppo.training.ppo import Learner, Loss, Net, Rollouts, Schedule, UpdateConfig, chunks, drive, loss_weights, ppo_update
 
 
 @dataclass
+class Models(Learner):
+    """A run's models: as updates run them (the Learner: the policy, DDP-wrapped or sharded, its optimiser, the frozen
+    reference, the critic), and as checkpoints hold them (`trained`)."""
+
+    trained: runs.Trained | None = None  # the policy and critic unwrapped, with their optimisers
+
+
+@dataclass(kw_only=True)
 class Context:
-    """What an algorithm may use: the models and optimisers, the sampling engine, the grader, the settings."""
+    """What an algorithm may use: the settings, the models, the sampling engine, the grader, the iteration's
+    generators. The trainer's Run is one (it adds what the loop itself reads)."""
 
     cfg: TrainConfig
-    policy: nn.Module  # as updates run it (parallel.wrap: a DDP wrapper, or sharded in place by FSDP)
-    reference: Any  # the frozen SFT model: the KL and DPO+ reference, RestEM's start (LoRA: lora.AdaptersOff);
-    # None when the run does not use it (`needs_reference`: the PPO family at --kl-coef 0)
-    optimizer: torch.optim.Optimizer
+    models: Models  # models.reference: the frozen SFT model (the KL and DPO+ reference, RestEM's start; LoRA: the
+    # policy with its adapters off), None when the run does not use it (`needs_reference`)
     tokenizer: Any
-    engine: Any  # rollout engine over the sampling model (VinePPO's Monte Carlo continuations)
-    params: SamplingParams  # sampling settings of the iteration's responses
-    score: Scorer  # the task's rewards of a batch of completions (Task.score)
-    critic: nn.Module | None = None  # vineppo.training.ppo.Critic as updates run it (parallel.wrap)
-    critic_opt: torch.optim.Optimizer | None = None
+    engine: RolloutEngine | None = None  # rollout engine over the sampling model (VinePPO's Monte Carlo continuations)
+    params: SamplingParams | None = None  # sampling settings of the iteration's responses
+    score: Scorer | None = None  # the task's rewards of a batch of completions (Task.score)
     generator: torch.Generator | None = None  # seeded by (seed, iteration, rank): sampling and data selection
     order_generator: torch.Generator | None = None  # seeded by (seed, iteration): minibatch order, equal on all ranks
     status: Callable[[str], None] = lambda text: None  # the progress bar's phase
@@ -86,60 +90,84 @@ def get_algorithm(cfg: TrainConfig) -> Update:
 
 @register("ppo")
 def ppo_family(episodes: list[Episode], ctx: Context) -> dict[str, float]:
-    """Per-token advantages from the configured credit estimator, then the PPO update (the same for all of them)."""
-    cfg = ctx.cfg
+    """Per-token advantages from the configured credit estimator, then the PPO update (the same for all of them):
+    credit -> rollouts -> update -> summary."""
     t0 = time.perf_counter()
+    credit, metrics = assign_credit(episodes, ctx)
+    data = rollouts(episodes, credit, ctx)
+    metrics["time/credit_s"] = time.perf_counter() - t0
+    stats, gap = update(data, ctx)
+    return metrics | summary(data, stats, gap, ctx)
+
+
+def assign_credit(episodes: list[Episode], ctx: Context) -> tuple[Credit, dict[str, float]]:
+    """The estimator `--algo` names, with what it needs (the rollout engine for Monte Carlo, balanced over ranks; the
+    critic), its advantages normalised as `--advantage-norm` says; the credit and its statistics over all ranks."""
+    cfg = ctx.cfg
     ctx.status("credit assignment")
     mc_engine = BalancedContinuations(ctx.engine)
-    critic = parallel.unwrap(ctx.critic) if ctx.critic is not None else None
+    critic = parallel.unwrap(ctx.models.critic) if ctx.models.critic is not None else None
     credit_ctx = configs.section(CreditContext, cfg, rollouts=mc_engine if needs(cfg.estimator).rollouts else None,
-                                 tokenizer=ctx.tokenizer, score=ctx.score,
-                                 critic=critic, params=ctx.params, generator=ctx.generator)
+                                 tokenizer=ctx.tokenizer, score=ctx.score, critic=critic, params=ctx.params,
+                                 generator=ctx.generator)
     with ctx.sampling():
         credit = get_estimator(cfg.estimator)(episodes, credit_ctx)
     metrics = dict(zip(("advantage/mean", "advantage/std"), token_mean_std(credit.advantages)))
     metrics.update(_reduce_stats(credit.stats))
     if mc_engine.states_run:
         metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
-    advantages = normalise(credit.advantages, cfg.advantage_norm)
-    metrics["time/credit_s"] = time.perf_counter() - t0
+    credit.advantages = normalise(credit.advantages, cfg.advantage_norm)
+    return credit, metrics
 
+
+def rollouts(episodes: list[Episode], credit: Credit, ctx: Context) -> Rollouts:
+    """What the update trains on: the episodes and the estimator's further samples (tree rollouts), with their
+    advantages, the critic's targets, the sampler's log-probs where they are the policy's, and the dialogues' masks."""
+    trained = episodes + credit.extra
+    old = [torch.tensor(ep.logprobs) for ep in trained] if sampler_logprobs(ctx, trained) else None
+    masks = [ep.mask for ep in trained] if any(ep.mask is not None for ep in trained) else None
+    return Rollouts(prompts=[ep.prompt_ids for ep in trained], responses=[ep.response_ids for ep in trained],
+                    advantages=credit.advantages, pad_id=ctx.tokenizer.pad_token_id, returns=credit.returns,
+                    old_values=credit.values, old_logprobs=old,
+                    ids=_global_ids(episodes, ctx.cfg.samples_per_prompt, len(credit.extra)),
+                    truncated=[ep.truncated for ep in trained], masks=masks)
+
+
+def update(data: Rollouts, ctx: Context) -> tuple[dict[str, float], float]:
+    """The numerics check, then `ppo_update` with the models in training mode (the engine's memory freed first);
+    its statistics summed over ranks, and the largest gap between the sampler's log-probs and the policy's."""
     ctx.status("updating")
     free_engine(ctx)
-    update_cfg = configs.section(UpdateConfig, cfg)
-    for net in (ctx.policy, ctx.critic):  # gradient checkpointing acts in training mode only
-        if net is not None:
-            net.train()
-    trained = episodes + credit.extra  # the estimator's further samples (tree rollouts) train with the episodes
-    old = [torch.tensor(ep.logprobs) for ep in trained] if sampler_logprobs(ctx, trained) else None
-    data = Rollouts(prompts=[ep.prompt_ids for ep in trained], responses=[ep.response_ids for ep in trained],
-                    advantages=advantages, pad_id=ctx.tokenizer.pad_token_id, returns=credit.returns,
-                    old_values=credit.values, old_logprobs=old,
-                    ids=_global_ids(episodes, cfg.samples_per_prompt, len(credit.extra)),
-                    truncated=[ep.truncated for ep in trained],
-                    masks=[ep.mask for ep in trained] if any(ep.mask is not None for ep in trained) else None)
-    metrics.update(loss_advantages(data, update_cfg))
-    metrics["train/trained_episodes"], metrics["train/trained_tokens"] = dist.all_sum(  # the policy's tokens
-        [float(len(trained)), float(sum(data.policy_tokens(i) for i in range(len(trained))))])
-    nets = Learner(policy=ctx.policy, reference=ctx.reference, optimizer=ctx.optimizer, critic=ctx.critic,
-                   critic_optimizer=ctx.critic_opt)
-    metrics.update({f"guard/{name}": gap for name, gap in guard.check(nets, data, update_cfg).items()})
-    stats = ppo_update(nets, data, update_cfg, ctx.order_generator)
-    for net in (ctx.policy, ctx.critic):
-        if net is not None:
-            net.eval()
+    update_cfg = configs.section(UpdateConfig, ctx.cfg)
+    nets = [net for net in (ctx.models.policy, ctx.models.critic) if net is not None]
+    for net in nets:  # gradient checkpointing acts in training mode only
+        net.train()
+    checks = guard.check(ctx.models, data, update_cfg)
+    stats = ppo_update(ctx.models, data, update_cfg, ctx.order_generator)
+    for net in nets:
+        net.eval()
     gap = max(dist.all_gather_objects(stats.pop("logprob_gap")))
-    stats = dict(zip(stats, dist.all_sum(list(stats.values()))))
-    if old is not None:
-        metrics["logprob_gap"] = gap
+    stats = dict(zip(stats, dist.all_sum(list(stats.values())))) | {f"guard/{k}": v for k, v in checks.items()}
+    return stats, gap
+
+
+def summary(data: Rollouts, stats: dict[str, float], gap: float, ctx: Context) -> dict[str, float]:
+    """The update's metrics: the advantages the loss weighs, trained episodes and tokens, loss, clipping, entropy,
+    gradient norm, KL and value loss where they exist, the log-prob gap where the sampler's log-probs were used."""
+    metrics = loss_advantages(data, configs.section(UpdateConfig, ctx.cfg))
+    metrics["train/trained_episodes"], metrics["train/trained_tokens"] = dist.all_sum(  # the policy's tokens
+        [float(len(data.responses)), float(sum(data.policy_tokens(i) for i in range(len(data.responses))))])
+    metrics.update({k: v for k, v in stats.items() if k.startswith("guard/")})
     tok = max(stats["tokens"], 1.0)
     metrics.update({"loss": stats["loss"] / max(stats["loss_weight"], 1.0), "clip_fraction": stats["clipped"] / tok,
                     "clip_fraction/high": stats["clipped_high"] / tok, "entropy": stats["entropy"] / tok,
                     "grad_norm": stats["grad_norm"] / max(stats["steps"], 1)})
     if "kl" in stats:  # no reference, no KL (--kl-coef 0)
         metrics["kl"] = stats["kl"] / tok
-    if ctx.critic is not None:
+    if ctx.models.critic is not None:
         metrics["value_loss"] = stats["value_loss"] / tok
+    if data.old_logprobs is not None:
+        metrics["logprob_gap"] = gap
     return metrics
 
 
@@ -167,7 +195,7 @@ def needs_reference(cfg: TrainConfig) -> bool:
 def sampler_logprobs(ctx: Context, episodes: list[Episode]) -> bool:
     """True when the episodes' sampling log-probs are the update's old log-probs: the native engine sampled them
     from the policy itself at the update's temperature, in float32 (bf16 autocast would make them differ)."""
-    return (getattr(ctx.engine, "logprobs_are_the_policys", False) and ctx.cfg.dtype == "float32"
+    return (ctx.engine is not None and ctx.engine.logprobs_are_the_policys and ctx.cfg.dtype == "float32"
             and ctx.cfg.sample_from == "policy"
             and all(ep.logprobs is not None and len(ep.logprobs) == len(ep.response_ids) for ep in episodes))
 
@@ -190,9 +218,9 @@ def _global_ids(episodes: list[Episode], per_prompt: int, extra: int = 0) -> lis
 
 
 def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
-    """Counts (mc/*) are summed over ranks; other statistics are averaged."""
-    keys = sorted(stats)
-    summed = dist.all_sum([stats[k] for k in keys])
+    """Counts (mc/*) are summed over ranks; other statistics are averaged (names a rank lacks count 0)."""
+    keys = sorted({k for part in dist.all_gather_objects(sorted(stats)) for k in part})
+    summed = dist.all_sum([stats.get(k, 0.0) for k in keys])
     return {k: v if k.startswith("mc/") else v / dist.world() for k, v in zip(keys, summed)}
 
 
@@ -212,7 +240,7 @@ def sequence_logprobs(model: Any, prompts: list[list[int]], responses: list[list
 
 
 def _device(ctx: Context) -> torch.device:
-    return next(ctx.policy.parameters()).device
+    return next(ctx.models.policy.parameters()).device
 
 
 def minibatch_steps(ctx: Context, ids: list[int], weights: list[float], loss_fn: Loss) -> dict[str, float]:
@@ -220,11 +248,11 @@ def minibatch_steps(ctx: Context, ids: list[int], weights: list[float], loss_fn:
     minibatch's weight over ranks divides `loss_fn`'s loss), micro-batches in order (vineppo.training.minibatch)."""
     cfg = ctx.cfg
     free_engine(ctx)
-    ctx.policy.train()
+    ctx.models.policy.train()
     schedule = Schedule(epochs=cfg.epochs, minibatch=cfg.minibatch, grad_clip=cfg.grad_clip,
                         generator=ctx.order_generator, split=lambda mb: chunks(mb, cfg.micro_batch))
-    totals = drive([Net(ctx.policy, ctx.optimizer, loss_fn)], schedule, ids, weights)
-    ctx.policy.eval()
+    totals = drive([Net(ctx.models.policy, ctx.models.optimizer, loss_fn)], schedule, ids, weights)
+    ctx.models.policy.eval()
     return totals
 
 
@@ -248,13 +276,13 @@ def restart_from_sft(ctx: Context) -> None:
 
     LoRA: the adapters are initialised afresh (the base weights never moved). Under --dtype bfloat16 the
     reference is held in bf16, so a full fine-tuning restart takes the bf16-rounded SFT weights."""
-    if lora.active(ctx.policy):
-        lora.reset_adapters(ctx.policy, ctx.cfg.seed)
+    if lora.active(ctx.models.policy):
+        lora.reset_adapters(ctx.models.policy, ctx.cfg.seed)
     else:
         with torch.no_grad():
-            for p, q in zip(parallel.unwrap(ctx.policy).parameters(), ctx.reference.parameters(), strict=True):
+            for p, q in zip(parallel.unwrap(ctx.models.policy).parameters(), ctx.models.reference.parameters(), strict=True):
                 p.copy_(q)
-    ctx.optimizer.state.clear()
+    ctx.models.optimizer.state.clear()
 
 
 @register("restem")
@@ -270,7 +298,7 @@ def restem(episodes: list[Episode], ctx: Context) -> dict[str, float]:
 
     def nll(idx: list[int], total: float) -> tuple[torch.Tensor, dict[str, float]]:
         eps = [episodes[kept[i]] for i in idx]
-        logp, mask = sequence_logprobs(ctx.policy, [e.prompt_ids for e in eps], [e.response_ids for e in eps], pad,
+        logp, mask = sequence_logprobs(ctx.models.policy, [e.prompt_ids for e in eps], [e.response_ids for e in eps], pad,
                                        ctx)
         loss = -(logp * mask).sum() / total
         return loss, {"loss": float(loss.detach()) * total, "tokens": float(mask.sum())}
@@ -325,14 +353,14 @@ def dpo_positive(episodes: list[Episode], ctx: Context) -> dict[str, float]:
     ref = {}
     with torch.no_grad():  # the reference's sequence log-probs, once per iteration
         for part in chunks(used, cfg.micro_batch):
-            logp, mask = sequence_logprobs(ctx.reference, [episodes[i].prompt_ids for i in part],
+            logp, mask = sequence_logprobs(ctx.models.reference, [episodes[i].prompt_ids for i in part],
                                            [episodes[i].response_ids for i in part], pad, ctx)
             ref.update(zip(part, (logp * mask).sum(-1)))
 
     def loss_fn(idx: list[int], total: float) -> tuple[torch.Tensor, dict[str, float]]:
         rows = [pairs[i] for i in idx]
         both = [c for c, _ in rows] + [r for _, r in rows]
-        logp, mask = sequence_logprobs(ctx.policy, [episodes[i].prompt_ids for i in both],
+        logp, mask = sequence_logprobs(ctx.models.policy, [episodes[i].prompt_ids for i in both],
                                        [episodes[i].response_ids for i in both], pad, ctx)
         seq = (logp * mask).sum(-1)
         if not rows:  # an empty micro-batch (this rank has run out): a zero loss, for the collectives

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 from fractions import Fraction
 
 from vineppo.core.errors import UserError
@@ -83,6 +84,11 @@ class EvalSettings:
     max_new_tokens: int = 256  # response length cap (cut to the model's context)
     seed: int = 0  # the draws' generator seed
 
+    @classmethod
+    def of(cls, cfg: Any, seed: int) -> EvalSettings:
+        """A training run's evaluation settings (its eval_* fields, top_p, max_new_tokens), with this `seed`."""
+        return cls(cfg.eval_samples, cfg.eval_temperature, cfg.top_p, cfg.max_new_tokens, seed)
+
 
 def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings = EvalSettings(),
              prompter: Prompter | None = None, progress=None) -> dict:
@@ -105,15 +111,14 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
     was_training = model.training
     model.eval()
     sampled = [[] for _ in prompts]
-    records = {"records": examples} if task.agent is not None else {}  # a dialogue engine resets from the rows
     if samples > 0:
         params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=max_new_tokens,
                                 stop=task.stop)
         sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
-                                  progress=progress, **records)
+                                  progress=progress, examples=examples)
     greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
     greedy = engine.generate(prompts, n=1, params=greedy_params, generator=seeded_generator(model, seed),
-                             progress=progress, **records)
+                             progress=progress, examples=examples)
     model.train(was_training)
 
     # rewards in two batches (sampled, greedy); a response counts as solved by the task's rule (Task.solved)

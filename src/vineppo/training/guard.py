@@ -20,8 +20,8 @@ import torch
 from vineppo.core import distributed as dist
 from vineppo.core.errors import UserError
 from vineppo.models import parallel
-from vineppo.training.ppo import (Learner, Rollouts, UpdateConfig, can_share, micro_batches, pack, pad_rows,
-                                  token_logprobs)
+from vineppo.training.forward import can_share, pack, pad_rows, token_logprobs
+from vineppo.training.ppo import Learner, Rollouts, UpdateConfig, micro_batches
 
 BOUND = 0.05  # mean per-token KL (nats) above which two log-prob paths of the same weights disagree
 _checked: weakref.WeakSet = weakref.WeakSet()  # the optimisers whose run was checked in this process
