@@ -30,15 +30,15 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import AttentionInterface
 
 from vineppo.engine import Engine, Request, attention
-from vineppo.engine import job as job_module
 from vineppo.engine.batch import Batch
+from vineppo.engine.runner import ModelRunner
 from vineppo.engine.split import OwnLayer
 from vineppo.engine.stops import Finisher
 from vineppo.models.causal_lm import seeded_generator
 
 PHASES = {  # phase -> (owner, method name)
-    "decode forward": (Engine, "forward"),
-    "prefill": (Engine, "prefill"),
+    "decode forward": (ModelRunner, "decode"),
+    "prefill": (ModelRunner, "prefill"),
     "cache copies (rebuild, fill, retire, step)": [(Batch, "rebuild"), (Batch, "fill"), (Batch, "retire"),
                                                    (Batch, "step")],
     "stop checks": (Finisher, "check"),
@@ -76,7 +76,7 @@ def timed(totals: dict[str, float], label_ops: bool = False):
     for phase, targets in PHASES.items():
         for owner, name in targets if isinstance(targets, list) else [targets]:
             wrap(owner, name, phase)
-    wrap(job_module, "sample", "sampling")
+    wrap(ModelRunner, "sample", "sampling")
     try:
         yield
     finally:

@@ -161,8 +161,9 @@ def rollout_report(b: RolloutBench) -> dict:
     budget, line = (b.token_budget, f"token budget {b.token_budget:,} (given)") if b.token_budget \
         else auto_token_budget(model)
     engine = Engine(model, NullTok(), token_budget=budget, decode=b.decode, fused_sampling=b.fused_sampling)
-    res = dict(shape=b.shape, device=device_name(device), decode=engine.decode, token_budget=budget, budget_line=line,
-               fused_sampling=b.fused_sampling, kv_bytes_per_token=kv_bytes_per_token(model), versions=versions())
+    res = dict(shape=b.shape, device=device_name(device), decode=engine.runner.decode_mode, token_budget=budget,
+               budget_line=line, fused_sampling=b.fused_sampling, kv_bytes_per_token=kv_bytes_per_token(model),
+               versions=versions())
     for w in workloads(model.config.vocab_size, b.scale):
         first = run_job(engine, w)  # warm-up: captures the graphs this workload needs
         runs = [run_job(engine, w) for _ in range(b.repeats)]
@@ -170,9 +171,10 @@ def rollout_report(b: RolloutBench) -> dict:
         row = dict(tokens=runs[0][0], tokens_per_s=statistics.median(speeds), runs_tokens_per_s=speeds,
                    warmup_tokens_per_s=first[0] / first[1])
         res[w.name] = row
-        if engine.pool is not None and engine.pool.graphs is not None:
-            row.update(graphs=len(engine.pool.graphs.graphs), graphs_captured=engine.pool.graphs.captured,
-                       capture_s=engine.pool.graphs.capture_s)
+        pool = engine.runner.pool
+        if pool is not None and pool.graphs is not None:
+            row.update(graphs=len(pool.graphs.graphs), graphs_captured=pool.graphs.captured,
+                       capture_s=pool.graphs.capture_s)
         if device.type == "cuda":
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if not b.profile_tokens:

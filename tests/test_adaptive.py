@@ -123,8 +123,8 @@ def test_engine_more_that_never_asks_reproduces_the_fixed_job(engine):
 
 def test_engine_rounds_go_only_to_the_prefixes_that_ask_and_reuse_the_prefill(engine, monkeypatch):
     prefills = []
-    real = engine.prefill
-    monkeypatch.setattr(engine, "prefill", lambda *a: prefills.append(a[0]) or real(*a))
+    real = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a: prefills.append(a[0]) or real(*a))
 
     def more(i, j, samples):
         assert all(s is not None for s in samples)  # called only when every sample so far has finished

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,6 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from vineppo.engine import TOP_K, Engine, Request, Sample, SamplingParams
 from vineppo.engine.sampling import draw, sample
-from vineppo.models.causal_lm import cache_keyword
 
 torch.set_num_threads(1)
 
@@ -234,7 +234,7 @@ def test_top_p_on_a_flat_row_widens_the_window_and_stays_exact(spread):
     wide = int((probs > 0).sum()) > TOP_K
     assert wide == (spread < 0.1), "the test should exercise the intended window"
     g = torch.Generator().manual_seed(0)
-    tok, lp = sample(logits.expand(20000, V), SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1), g)
+    tok, lp, _ = sample(logits.expand(20000, V), SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1), g)
     assert torch.allclose(lp, torch.log_softmax(logits / T, -1)[tok], atol=1e-5)
     counts = np.bincount(tok.numpy(), minlength=V)
     assert _chi2_gof(counts, probs) > 1e-3
@@ -254,8 +254,8 @@ def test_sampling_draws_what_torch_multinomial_draws_bit_for_bit(dtype, T):
         x = logits.float() / T
         lse = torch.logsumexp(x, -1, keepdim=True)
         want = torch.multinomial((x - lse).exp(), 1, generator=torch.Generator().manual_seed(seed)).view(-1)
-        tok, lp = sample(logits, SamplingParams(temperature=T, top_p=1.0, max_new_tokens=1),
-                         torch.Generator().manual_seed(seed))
+        tok, lp, _ = sample(logits, SamplingParams(temperature=T, top_p=1.0, max_new_tokens=1),
+                            torch.Generator().manual_seed(seed))
         assert torch.equal(tok, want), (N, V)
         assert torch.equal(lp, (x.gather(1, want.view(-1, 1)) - lse).view(-1))
         sample(logits, SamplingParams(temperature=T, top_p=0.9, max_new_tokens=1), torch.Generator())
@@ -285,7 +285,7 @@ def test_fused_sampling_draws_the_same_distribution_and_repeats_for_a_seed(T, to
     rows = logits.expand(n, V).contiguous().to(device, dtype)
     params = SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1)
     draw_ = lambda fused: sample(rows, params, torch.Generator(device=device).manual_seed(0), fused=fused)  # noqa: E731
-    (tok, lp), (again, _), (eager, _) = draw_(True), draw_(True), draw_(False)
+    (tok, lp, _), (again, _, _), (eager, _, _) = draw_(True), draw_(True), draw_(False)
     assert torch.equal(tok, again)
     assert (tok == eager).float().mean() > 0.99
     tok, lp = tok.cpu(), lp.cpu()
@@ -442,7 +442,7 @@ def test_decode_steps_of_sdpa_models_run_the_engines_attention(model, tok, monke
     packed = Engine(model, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
     assert 1 not in calls
     assert model.config._attn_implementation == "sdpa"  # restored after the job
-    monkeypatch.setattr("vineppo.engine.native.packed_decode", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr("vineppo.engine.runner.packed_decode", lambda model: contextlib.nullcontext())
     calls.clear()
     plain = Engine(model, tok).generate(prompts, 3, params, torch.Generator().manual_seed(0))
     assert 1 in calls
@@ -612,6 +612,104 @@ def _logprobs(tree):
     return [x for s in _samples(tree) for x in s[2]]
 
 
+# ------------------------------------------------------------------ per-token entropies (SamplingParams.entropy)
+
+
+def _tempered_entropies(model, prefix, tokens, T):
+    """Per token of ``tokens`` after ``prefix``: the entropy of softmax(logits / T) (T = 0: of softmax(logits)),
+    from one plain forward pass of ``model`` over prefix + tokens."""
+    with torch.no_grad():
+        lg = model(torch.tensor([prefix + tokens])).logits[0, len(prefix) - 1 : -1].double()
+    x = lg / T if T > 0 else lg
+    return -(x.softmax(-1) * x.log_softmax(-1)).nan_to_num().sum(-1)
+
+
+@pytest.mark.parametrize("T,top_p", [(0, 1.0), (1.0, 1.0), (0.7, 1.0), (0.8, 0.9)])
+def test_sampling_entropies_are_the_tempered_distributions_and_change_no_draw(T, top_p):
+    """The sampling step's entropies are those of softmax(logits / T) before top-p (greedy: softmax(logits)); a
+    token of logit -inf adds nothing; asking for them draws the same tokens and log-probs from the same seed (the
+    fused step's too), and nothing is computed when they are not asked for."""
+    logits = 3 * torch.randn(64, 500, generator=torch.Generator().manual_seed(4))
+    logits[:, 7] = float("-inf")
+    params = SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1)
+    fused = [False] + ([True] if COMPILER is not None and T in (1.0, 0.8) else [])  # one compile per path
+    for f in fused:
+        off = sample(logits, params, torch.Generator().manual_seed(0), fused=f)
+        on = sample(logits, dataclasses.replace(params, entropy=True), torch.Generator().manual_seed(0), fused=f)
+        assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1]) and off[2] is None
+        x = logits.double() / T if T > 0 else logits.double()
+        want = -(x.softmax(-1) * x.log_softmax(-1)).nan_to_num().sum(-1)
+        assert on[2].dtype == torch.float32 and torch.allclose(on[2].double(), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("decode", ["split", "ring"])
+def test_entropies_match_a_plain_forward_at_every_token(decode, tok):
+    """Entropies of generate (first tokens from the prefill logits, then decode steps) and of continuations, with
+    adaptive rounds, under a budget small enough that rows are refilled in place and the batch rebuilt: at every
+    token, the entropy of softmax(logits / T) that one plain forward pass over prompt + response gives."""
+    m = _make("llama", len(tok))
+    prompts = _prompts([5, 17, 2, 11, 9], seed=6)
+    for params in (SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=10, entropy=True),
+                   SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10, entropy=True),
+                   SamplingParams(temperature=0, max_new_tokens=10, entropy=True)):
+        engine = Engine(m, tok, token_budget=90, decode=decode)
+        out = engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(1))
+        for p, samples in zip(prompts, out):
+            for s in samples:
+                assert len(s.entropies) == len(s.token_ids)
+                want = _tempered_entropies(m, p, s.token_ids, params.temperature)
+                assert torch.allclose(torch.tensor(s.entropies, dtype=torch.float64), want, atol=1e-4)
+        seqs = [p + r[0].token_ids for p, r in zip(prompts, out)]
+        bounds = [sorted({len(p), min(len(q), len(p) + 3)}) for p, q in zip(prompts, seqs)]
+        more = lambda i, j, drawn: 2 if (i + j) % 2 == 0 and len(drawn) < 4 else 0  # noqa: E731
+        mc = engine.continuations(Request(seqs, bounds, 2, params, generator=torch.Generator().manual_seed(2),
+                                          more=more))
+        assert any(len(x) == 4 for per in mc for x in per)  # the rounds ran
+        for q, bs, per in zip(seqs, bounds, mc):
+            for b, samples in zip(bs, per):
+                for s in samples:
+                    want = _tempered_entropies(m, q[:b], s.token_ids, params.temperature)
+                    assert torch.allclose(torch.tensor(s.entropies, dtype=torch.float64), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("decode", ["split", "ring"])
+def test_entropies_change_no_sample(decode, tok, monkeypatch):
+    """The recorded workload with entropies asked for in every job draws the recorded samples, and the same tokens,
+    log-probs and finish reasons, to the bit, as without them; without them, Sample.entropies stays None."""
+    run = Engine._run
+
+    def workload(entropy: bool) -> list[Sample]:
+        got = []
+
+        def job(self, req):
+            out = run(self, dataclasses.replace(req, params=dataclasses.replace(req.params, entropy=entropy)))
+            got.extend(s for per in out for samples in per for s in samples)
+            return out
+
+        monkeypatch.setattr(Engine, "_run", job)
+        tree, want = recorded_workload(tok, decode), json.loads(EXPECTED.read_text())
+        assert {k: _strip(v) for k, v in tree.items()} == {k: _strip(v) for k, v in want.items()}
+        return got
+
+    plain, asked = workload(False), workload(True)
+    assert len(plain) == len(asked) > 100
+    assert [(s.token_ids, s.logprobs, s.finish_reason) for s in asked] == \
+           [(s.token_ids, s.logprobs, s.finish_reason) for s in plain]
+    assert all(s.entropies is None for s in plain)
+    assert all(len(s.entropies) == len(s.token_ids) for s in asked)
+
+
+def test_vllm_refuses_entropies_in_one_line():
+    """vLLM gives no entropies: asking for them is a ValueError that names the native engine, before any work."""
+    from vineppo.engine.vllm_backend import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the check comes before anything the engine holds
+    with pytest.raises(ValueError, match="native engine"):
+        engine.generate([[5, 6, 7]], 2, SamplingParams(entropy=True))
+    with pytest.raises(ValueError, match="native engine"):
+        engine.continuations(Request([[5, 6, 7]], [[2]], 2, SamplingParams(entropy=True)))
+
+
 # ------------------------------------------------------------------ the prefix store and the paths around it
 
 
@@ -704,10 +802,10 @@ def test_ring_prefixes_wrap_around_the_buffer(llama, tok):
     engine = Engine(llama, tok, token_budget=200, decode="ring")
     params = SamplingParams(temperature=1.0, max_new_tokens=9)
     mc = engine.continuations(Request(seqs, bounds, 3, params, generator=torch.Generator().manual_seed(2)))
-    assert engine.pool.width == ring.ALIGN  # 35 + 9 columns, rounded up: far fewer than the job's steps
+    assert engine.runner.pool.width == ring.ALIGN  # 35 + 9 columns, rounded up: far fewer than the job's steps
     _assert_fresh_logprobs(llama, seqs, bounds, mc)
     engine.sleep()
-    assert engine.pool.k == [] and engine.pool.rows == 0  # freed before an update
+    assert engine.runner.pool.k == [] and engine.runner.pool.rows == 0  # freed before an update
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "gpt2"])
@@ -716,14 +814,14 @@ def test_ring_step_reads_no_tensor_values_on_the_host(kind, tok):
     tensor, nonzero): the ring's decode step runs on meta tensors, where any such read fails."""
     from vineppo.engine.attention import packed_decode
     from vineppo.engine.ring import RingKV, RingPool
+    from vineppo.engine.runner import ModelRunner
 
     m = _make(kind, len(tok)).to("meta")
     pool = RingPool(torch.device("meta"), graphs=False)
     H, D = m.config.num_key_value_heads if kind == "qwen2" else 4, 16
     pool.ensure(12, 64, [(torch.empty(1, H, 3, D, device="meta"),) * 2] * 2, [])
-    engine = SimpleNamespace(model=m, cache_kw=cache_keyword(m))  # what the step asks of its engine
     with torch.inference_mode(), packed_decode(m):
-        logits = RingKV(pool, 12, 40)._decode(engine, 8)
+        logits = RingKV(pool, 12, 40)._decode(ModelRunner(m, tok).forward, 8)  # the model call the step makes
     assert logits.shape == (8, len(tok)) and logits.device.type == "meta"
 
 
@@ -740,7 +838,8 @@ def test_cuda_graphs_replay_the_eager_ring_steps(tok):
         for _ in range(2):  # the second job replays the graphs the first captured
             out[decode] = engine.generate(prompts, 5, params, generator=torch.Generator("cuda").manual_seed(3))
         if decode == "graphs":
-            assert engine.pool.graphs.captured >= 2 and len(engine.pool.graphs.graphs) == engine.pool.graphs.captured
+            graphs = engine.runner.pool.graphs
+            assert graphs.captured >= 2 and len(graphs.graphs) == graphs.captured
     flat = {d: [(s.token_ids, s.logprobs) for r in o for s in r] for d, o in out.items()}
     assert flat["graphs"] == flat["ring"]
     same = sum(a[0] == b[0] for a, b in zip(flat["graphs"], flat["split"]))
@@ -778,19 +877,18 @@ def test_plan_groups_sequences_by_length_and_queues_units_shortest_first():
 
 
 def test_rounds_queue_more_samples_of_a_settled_prefix_and_free_its_group_at_the_end():
-    from vineppo.engine.plan import Rounds, plan_job
+    from vineppo.engine.plan import plan_job
 
-    plan = plan_job([[4]], k=2, budget=100, max_new=5, vocab=10)
-    out = [[[None, None]]]
-    rounds = Rounds(plan, lambda i, j, drawn: 3 if len(drawn) == 2 else 0, 2, out, 100, 5)
+    plan = plan_job([[4]], k=2, budget=100, max_new=5, vocab=10, more=lambda i, j, drawn: 3 if len(drawn) == 2 else 0)
+    drawn = [None, None]
     plan.queue.pop()
     plan.unadmitted[0] -= 1
-    assert rounds.finished(0, 0) is None  # one of two still running
-    assert rounds.finished(0, 0) is None and len(out[0][0]) == 5  # settled: 3 more queued on the same group
+    assert plan.finished(0, 0, drawn) is None  # one of two still running
+    assert plan.finished(0, 0, drawn) is None and len(drawn) == 5  # settled: 3 more queued on the same group
     assert [(u.first, u.copies) for u in plan.queue] == [(2, 3)] and plan.unadmitted[0] == 1
     plan.queue.pop()
     plan.unadmitted[0] -= 1
-    assert [rounds.finished(0, 0) for _ in range(3)] == [None, None, 0]  # the last: its group's cache can go
+    assert [plan.finished(0, 0, drawn) for _ in range(3)] == [None, None, 0]  # the last: its group's cache can go
 
 
 def test_admission_refills_in_place_grows_only_by_a_margin_and_sheds_finished_rows():

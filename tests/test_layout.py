@@ -60,7 +60,7 @@ FLOORS = [
     ("engine", [["engine.api", "engine.graphs", "engine.prefixes"],
                 ["engine.plan", "engine.sampling", "engine.attention"],
                 ["engine.batch", "engine.split", "engine.ring"],
-                ["engine.stops", "engine.schedule", "engine.budget", "engine.balanced"],
+                ["engine.stops", "engine.schedule", "engine.budget", "engine.balanced", "engine.runner"],
                 ["engine.job"],
                 ["engine.native", "engine.vllm_backend"],
                 ["engine"],

@@ -3,13 +3,14 @@
     native  (``native.py``)       batched sampling with a shared prefix KV cache, on any HF causal LM, in process
     vllm    (``vllm_backend.py``) vLLM with automatic prefix caching (optional extra ``vineppo[vllm]``)
 
-The native backend, one job per file: ``plan.py`` (units of work), ``schedule.py`` (admission policy),
-``batch.py`` (the decode batch and its rows), its KV layouts ``split.py`` (eager: rows' own tokens, and
-``prefixes.py``, the prefixes rows continue, one copy per unit) and ``ring.py`` (fixed buffers, replayed as CUDA
-graphs by ``graphs.py``), ``stops.py`` (EOS, stop strings, length), ``sampling.py`` (temperature, top-p),
-``attention.py`` (decode attention over either layout), ``budget.py`` (the token budget, from free memory on a
-GPU). ``make_engine(name, ...)`` builds either backend; train, eval, analyze-values and the benchmark call only the
-interface.
+The native backend, one job per file: ``job.py`` (the scheduler of one request: queue, batch, finisher),
+``runner.py`` (the model: prefill, decode step, sampling; the one object that calls it), ``plan.py`` (units of
+work), ``schedule.py`` (admission policy), ``batch.py`` (the decode batch and ``KVLayout``, the contract of its
+two KV layouts: ``split.py``, eager: rows' own tokens, and ``prefixes.py``, the prefixes rows continue, one copy
+per unit; and ``ring.py``, fixed buffers, replayed as CUDA graphs by ``graphs.py``), ``stops.py`` (EOS, stop
+strings, length), ``sampling.py`` (temperature, top-p, entropies), ``attention.py`` (decode attention over either
+layout), ``budget.py`` (the token budget, from free memory on a GPU). ``make_engine(name, ...)`` builds either
+backend; train, eval, analyze-values and the benchmark call only the interface.
 """
 
 from __future__ import annotations

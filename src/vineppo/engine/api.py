@@ -8,6 +8,7 @@
           # budgets[i][j] new tokens (default: params.max_new_tokens)
     mc  = engine.continuations(Request(..., k=3, more=lambda i, j, samples: 6 if undecided(samples) else 0))
           # adaptive: further rounds for the prefixes that ask for them, on the same cached prefix
+    SamplingParams(..., entropy=True)   # native engine: each Sample also has .entropies, one per token
     engine.sleep()               # before an update: a backend holding its own memory may free it (GPU vLLM)
     engine.push_weights(model)   # after an update: a backend holding its own copy of the weights reloads it
 
@@ -29,6 +30,7 @@ class SamplingParams:
     top_p: float = 0.9
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()  # stop strings, besides the model's end-of-sequence tokens
+    entropy: bool = False  # fill Sample.entropies (native engine only; computing them changes no sample)
 
 
 @dataclass
@@ -37,6 +39,8 @@ class Sample:
     text: str  # tokenizer.decode(token_ids, skip_special_tokens=True)
     logprobs: list[float]  # per token; native: log_softmax(logits / T) before top-p (plain when greedy); vLLM: at T = 1
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    entropies: list[float] | None = None  # per token, with SamplingParams(entropy=True) (native engine only): the
+    # entropy in nats of softmax(logits / T), before top-p, of the step that drew it (greedy: of softmax(logits))
     dialogue: Any = None  # a multi-turn dialogue's turns (vineppo.agents.Turns: its masks, messages, reward, what resumes
     # it); None for a single-turn sample
 

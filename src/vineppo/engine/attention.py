@@ -47,7 +47,7 @@ class Step:
     """One decode step's view of the batch: the prefix store and its step view, each row's slot and prefix length."""
 
     batch: object  # engine.batch.Batch
-    kv: object  # its layout: split.SplitKV, or ring.RingKV (then ``ring`` is True)
+    kv: object  # its layout (a batch.KVLayout): split.SplitKV, or ring.RingKV (then ``ring`` is True)
     ring: bool = False
     calls: int = 0  # attention calls that read the store (the engine checks the model made some)
     masks: dict = field(default_factory=dict)  # id(boolean mask) -> (mask, additive form), shared by the layers

@@ -1,9 +1,11 @@
-"""The running decode batch: one row per sample being generated, its per-row state, and which rows finished.
+"""The running decode batch: one row per sample being generated, its per-row state, and which rows finished; and
+``KVLayout``, the contract of where the rows' keys and values live.
 
-Where the rows' keys and values live is the batch's KV layout (``kv``), called as rows come and go: the split
-layout (``split.py``: own tokens per row, prefixes once per unit; eager decoding) or the ring layout (``ring.py``:
-fixed buffers for CUDA graphs). A finished row stays in place, masked, until a new row takes its place
-(``fill``) or the batch is rebuilt without it (``rebuild``: kept rows first, then the new ones).
+The batch tells its layout (``kv``) as rows come and go (``rebuild``, ``admit``, ``retire``, ``step``), and the
+layout runs the decode step over them (``forward``, given the model's call). Two layouts implement it: the split
+layout (``split.py``: own tokens per row, prefixes once per unit; eager decoding) and the ring layout
+(``ring.py``: fixed buffers for CUDA graphs). A finished row stays in place, masked, until a new row takes its
+place (``fill``) or the batch is rebuilt without it (``rebuild``: kept rows first, then the new ones).
 
 Admission decisions (``schedule.py``) read ``N``, ``L`` (the longest running row, prefix + own tokens) and the
 finished places ``dead``.
@@ -11,12 +13,13 @@ finished places ``dead``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, Protocol
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from vineppo.engine.plan import Unit
+from vineppo.engine.sampling import Drawn
 
 
 class Group:
@@ -31,14 +34,6 @@ class Group:
     def first_logits(self, u: Unit) -> torch.Tensor:
         """The next-token logits after ``u``'s prefix, one row per copy."""
         return self.logits[u.row, self.col[(u.row, u.length)]].unsqueeze(0).expand(u.copies, -1)
-
-
-class RowId(NamedTuple):
-    """Whose sample a batch row is generating."""
-
-    seq: int  # source sequence
-    boundary: int  # boundary index j
-    copy: int  # sample index among the k
 
 
 def layers_kv(cache):
@@ -58,23 +53,51 @@ def layers_kv(cache):
     return kv
 
 
-# Per-row state, in the order rebuild sets it.
-_ROW_FIELDS = ("pos", "pending", "tok", "lp", "gen", "limit", "alive", "slot", "copy", "b", "s")
+# The model's decode call a layout makes (``runner.ModelRunner.forward``): (input_ids [N, 1], attention_mask,
+# position_ids [N, 1], cache) -> the next-token logits [N, V].
+ModelCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor]
+
+
+class KVLayout(Protocol):
+    """Where a batch's keys and values live (see the module docstring): ``Batch`` calls the first four as rows
+    change, the runner's decode step calls ``forward``."""
+
+    def rebuild(self, batch: Batch, keep: list[int], G: int, units: list[Unit], groups: dict[int, Group]) -> None:
+        """The batch is rebuilt: old rows ``keep`` move to the front, in order (G: the most own tokens one of them has),
+        then room for the rows of ``units``."""
+
+    def admit(self, batch: Batch, rows: list[int], units: list[Unit],
+              groups: dict[int, Group]) -> tuple[list[int], list[int]]:
+        """Take in the rows of ``units`` at ``rows``, prefixes from their groups; per row: prefix slot, copy index."""
+
+    def retire(self, batch: Batch, slots: list[int]) -> None:
+        """Rows on prefix ``slots`` finished (the batch has masked them): free what they held."""
+
+    def step(self, batch: Batch) -> None:
+        """Every row wrote one token's keys and values."""
+
+    def forward(self, model: ModelCall, batch: Batch) -> torch.Tensor:
+        """One decode step: every row's pending token through ``model``; the next-token logits [N, V]."""
+
+
+# Per-row state, in the order rebuild sets it ("ent" only when the job records entropies).
+_ROW_FIELDS = ("pos", "pending", "tok", "lp", "ent", "gen", "limit", "alive", "slot", "copy", "b", "s")
 
 
 class Batch:
     """The running decode batch, one row per sample being generated (see the module docstring)."""
 
-    def __init__(self, dev, max_new: int, budgets: list[list[int]], kv):
+    def __init__(self, dev, max_new: int, budgets: list[list[int]], kv: KVLayout, entropy: bool = False):
         self.dev, self.max_new = dev, max_new
         self.budgets = budgets  # budgets[i][j]: new tokens allowed to the rows continuing boundary j of sequence i
-        self.kv = kv  # the KV layout: split.SplitKV or ring.RingKV
+        self.kv = kv
+        self.fields = [f for f in _ROW_FIELDS if entropy or f != "ent"]
         self.N = 0  # rows, running or finished
         self.L = 0  # the longest running row: prefix + own tokens
-        self.meta: list[RowId] = []
+        self.meta: list[tuple[int, int, int]] = []  # per row, whose sample it is: (sequence i, boundary j, copy c)
         self.dead: list[int] = []  # finished rows still held, masked, until refilled or rebuilt away
         self.pos = self.pending = None  # [N] position and token of each row's next input
-        self.tok = self.lp = None  # [N, max_new] tokens generated so far and their log-probs
+        self.tok = self.lp = self.ent = None  # [N, max_new] tokens so far, their log-probs (and entropies, if asked)
         self.gen = self.limit = self.alive = None  # [N] tokens generated, allowed, and 1 while the row runs
         self.slot = self.copy = None  # [N] the row's prefix slot (0 once finished) and its copy index (split layout)
         self.b = self.s = None  # [N] prefix tokens (0 once finished) and own tokens in the cache
@@ -90,9 +113,9 @@ class Batch:
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.dev)  # noqa: E731
         return t(slot), t(copy), t([u.length for u in units for _ in range(u.copies)])
 
-    def rebuild(self, units: list[Unit], groups: dict[int, Group], tok0, lp0) -> None:
+    def rebuild(self, units: list[Unit], groups: dict[int, Group], first: Drawn | None) -> None:
         """Drop dead rows and append the rows of ``units`` (the layout copies each kept row's cache once).
-        ``tok0``/``lp0`` are the new rows' first tokens, already sampled from the prefill logits."""
+        ``first``: the new rows' first tokens, already sampled from the prefill logits."""
         dead = set(self.dead)
         keep = [r for r in range(self.N) if r not in dead]
         keep_t = torch.tensor(keep, device=self.dev) if keep and dead else None
@@ -100,7 +123,7 @@ class Batch:
         L_old = int(sel(self.b + self.s).max()) if keep else 0  # the columns that are padding for every kept row go
         G = int(sel(self.s).max()) if keep else 0
         new_b = [u.length for u in units for _ in range(u.copies)]
-        self.meta = [self.meta[r] for r in keep] + [RowId(u.seq, u.boundary, u.first + c)
+        self.meta = [self.meta[r] for r in keep] + [(u.seq, u.boundary, u.first + c)
                                                       for u in units for c in range(u.copies)]
         self.dead = []
         self.N, self.L = len(keep) + len(new_b), max([L_old] + new_b)
@@ -109,22 +132,17 @@ class Batch:
             for name in _ROW_FIELDS:
                 setattr(self, name, None)
             return
-        self._append_rows(keep, keep_t, units, tok0, lp0, self._admit(list(range(len(keep), self.N)), units, groups))
+        self._append_rows(keep, keep_t, units, first, self._admit(list(range(len(keep), self.N)), units, groups))
 
-    def _append_rows(self, keep, keep_t, units, tok0, lp0, slots) -> None:
+    def _append_rows(self, keep, keep_t, units, first, slots) -> None:
         """Per-row state: the kept rows' (selected when rows were dropped), then the new rows'."""
         slot, copy, b_new = slots
         M = len(b_new)
-        new_tok = torch.zeros(M, self.max_new, dtype=torch.long, device=self.dev)
-        new_lp = torch.zeros(M, self.max_new, dtype=torch.float32, device=self.dev)
-        if M:
-            new_tok[:, 0], new_lp[:, 0] = tok0, lp0
-        else:
-            tok0 = new_tok[:, 0]
         zeros = torch.zeros(M, dtype=torch.long, device=self.dev)
-        fresh = dict(pos=b_new.clone(), pending=tok0, tok=new_tok, lp=new_lp, gen=zeros + 1, limit=self._limits(units),
+        fresh = dict(pos=b_new.clone(), gen=zeros + 1, limit=self._limits(units),
                      alive=torch.ones(M, dtype=torch.int8, device=self.dev), slot=slot, copy=copy, b=b_new, s=zeros)
-        for name in _ROW_FIELDS:
+        fresh.update(self._records(M, first))
+        for name in self.fields:
             new = fresh[name]
             if keep:
                 cur = getattr(self, name)
@@ -132,7 +150,18 @@ class Batch:
                 new = torch.cat([cur, new])
             setattr(self, name, new)
 
-    def fill(self, units: list[Unit], groups: dict[int, Group], tok0, lp0) -> torch.Tensor:
+    def _records(self, M: int, first: Drawn | None) -> dict[str, torch.Tensor]:
+        """The records [M, max_new] of M new rows, their first draw at column 0, and their first input."""
+        recs = {name: torch.zeros(M, self.max_new, dtype=dtype, device=self.dev)
+                for name, dtype in (("tok", torch.long), ("lp", torch.float32), ("ent", torch.float32))
+                if name in self.fields}
+        if M:
+            for name, x in zip(("tok", "lp", "ent"), first):
+                if name in recs:
+                    recs[name][:, 0] = x
+        return dict(recs, pending=first[0] if M else recs["tok"][:, 0])
+
+    def fill(self, units: list[Unit], groups: dict[int, Group], first: Drawn) -> torch.Tensor:
         """Put the rows of ``units`` in place of finished rows (no other row is touched); return their indices."""
         self.L = max([self.L] + [u.length for u in units])
         M = sum(u.copies for u in units)
@@ -142,13 +171,15 @@ class Batch:
         row = 0
         for u in units:
             for c in range(u.copies):
-                self.meta[slots[row + c]] = RowId(u.seq, u.boundary, u.first + c)
+                self.meta[slots[row + c]] = (u.seq, u.boundary, u.first + c)
             row += u.copies
         self.slot[idx], self.copy[idx], self.b[idx] = self._admit(slots, units, groups)
-        self.pos[idx], self.pending[idx], self.gen[idx], self.alive[idx], self.s[idx] = self.b[idx], tok0, 1, 1, 0
+        self.pos[idx], self.pending[idx], self.gen[idx], self.alive[idx], self.s[idx] = self.b[idx], first[0], 1, 1, 0
         self.limit[idx] = self._limits(units)
-        self.tok[idx], self.lp[idx] = 0, 0.0
-        self.tok[idx, 0], self.lp[idx, 0] = tok0, lp0
+        for t, x in zip((self.tok, self.lp, self.ent), first):
+            if t is not None:
+                t[idx] = 0
+                t[idx, 0] = x
         return idx
 
     def retire(self, rows: list[int]) -> None:
@@ -164,14 +195,15 @@ class Batch:
         self.L = int(((self.b + self.s) * self.alive).max())
         self.kv.retire(self, slots)
 
-    def step(self, tok: torch.Tensor, lp: torch.Tensor) -> None:
-        """Record every row's freshly sampled token (and log-prob); it is the next step's input."""
+    def step(self, drawn: Drawn) -> None:
+        """Record every row's fresh token (its log-prob, its entropy if asked); it is the next step's input."""
         idx = self.gen.clamp_max(self.max_new - 1).view(self.N, 1)
-        self.tok.scatter_(1, idx, tok.view(self.N, 1))
-        self.lp.scatter_(1, idx, lp.view(self.N, 1))
+        for t, x in zip((self.tok, self.lp, self.ent), drawn):
+            if t is not None:
+                t.scatter_(1, idx, x.view(self.N, 1))
         self.gen += 1
         self.pos += 1
         self.s += 1
-        self.pending = tok
+        self.pending = drawn[0]
         self.L += 1
         self.kv.step(self)

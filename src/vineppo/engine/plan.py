@@ -5,9 +5,9 @@ and a number of copies to sample from it. ``generate`` has one unit per prompt (
 ``continuations`` one per boundary.
 
 Adaptive sampling (``continuations(..., more=...)``): a unit's copies are only the first round of its prefix.
-``Rounds`` counts the samples of each prefix still running; when the last one finishes it asks ``more`` how many
-to add, and queues them as new units of the same prefill group. The group's keys and values stay cached until
-every prefix in it is done, so a later round copies them again and never re-encodes the prefix.
+The plan counts the samples of each prefix still running (``Plan.finished``); when the last one finishes it asks
+``more`` how many to add, and queues them as new units of the same prefill group. The group's keys and values stay
+cached until every prefix in it is done, so a later round copies them again and never re-encodes the prefix.
 """
 
 from __future__ import annotations
@@ -34,20 +34,46 @@ class Unit:
 
 @dataclass
 class Plan:
-    """The prefill groups (source indices) and the queue of units, popped from its end (shortest prefix first)."""
+    """A job's work: the prefill groups (source indices) and the queue of units, popped from its end (shortest prefix
+    first); in an adaptive job (``more``), its rounds too (``finished``)."""
 
     groups: list[list[int]]
     queue: list[Unit]
     unadmitted: dict[int, int]  # group -> its units not yet in the batch (its prefill cache is freed at 0)
-    open: dict[int, int] = field(default_factory=dict)  # group -> its prefixes still sampling (adaptive jobs only)
+    budget: int  # the job's token budget and max_new_tokens: a round's units are split to fit them
+    max_new: int
+    more: More | None = None  # adaptive jobs: how many samples to add to a prefix whose samples have all finished
+    running: dict[tuple[int, int], int] = field(default_factory=dict)  # (i, j) -> its samples still being drawn
+    template: dict[tuple[int, int], Unit] = field(default_factory=dict)  # (i, j) -> a unit of its prefix
+    open: dict[int, int] = field(default_factory=dict)  # group -> its prefixes still sampling
 
     def can_free(self, group: int) -> bool:
         """True when no unit of ``group`` waits for its prefill cache and no prefix of it may ask for more."""
         return self.unadmitted.get(group, 0) == 0 and self.open.get(group, 0) == 0
 
+    def finished(self, i: int, j: int, drawn: list) -> int | None:
+        """Adaptive jobs: count one finished sample of (i, j), ``drawn`` its samples so far. After its last, ask
+        ``more`` and queue the next round's units (``drawn`` gets their places), or settle the prefix; return the
+        prefill group to free when that settles the whole group, else None."""
+        self.running[i, j] -= 1
+        if self.running[i, j]:
+            return None
+        extra = self.more(i, j, drawn)
+        u = self.template[i, j]
+        if extra > 0:
+            self.running[i, j] = extra
+            drawn.extend([None] * extra)
+            units = split(Unit(u.group, u.row, i, j, u.length, len(drawn) - extra, extra), self.budget, self.max_new)
+            self.queue.extend(reversed(units))  # popped from the end: next in line
+            self.unadmitted[u.group] += len(units)
+            return None
+        self.open[u.group] -= 1
+        return u.group if self.can_free(u.group) else None
 
-def plan_job(bounds: list[list[int]], k: int, budget: int, max_new: int, vocab: int) -> Plan:
-    """Groups of sequences sorted by length within ``budget``; their units sorted by prefix length, split to fit."""
+
+def plan_job(bounds: list[list[int]], k: int, budget: int, max_new: int, vocab: int, more: More | None = None) -> Plan:
+    """Groups of sequences sorted by length within ``budget``; their units sorted by prefix length, split to fit;
+    with ``more``, every prefix's first round of k samples running."""
     groups = prefill_groups(bounds, budget, vocab)
     queue: list[Unit] = []
     for g, members in enumerate(groups):
@@ -58,10 +84,13 @@ def plan_job(bounds: list[list[int]], k: int, budget: int, max_new: int, vocab: 
         units.sort(key=lambda u: u.length)  # rows of one batch then need little left padding
         queue.extend(units)
     queue.reverse()
-    unadmitted: dict[int, int] = {}
+    plan = Plan(groups, queue, {}, budget, max_new, more)
     for u in queue:
-        unadmitted[u.group] = unadmitted.get(u.group, 0) + 1
-    return Plan(groups, queue, unadmitted)
+        plan.unadmitted[u.group] = plan.unadmitted.get(u.group, 0) + 1
+        if more is not None and (u.seq, u.boundary) not in plan.template:
+            plan.template[u.seq, u.boundary], plan.running[u.seq, u.boundary] = u, k
+            plan.open[u.group] = plan.open.get(u.group, 0) + 1
+    return plan
 
 
 def split(u: Unit, budget: int, max_new: int) -> list[Unit]:
@@ -69,38 +98,6 @@ def split(u: Unit, budget: int, max_new: int) -> list[Unit]:
     per = max(1, budget // (u.length + max_new))
     return [Unit(u.group, u.row, u.seq, u.boundary, u.length, u.first + c, min(per, u.copies - c))
             for c in range(0, u.copies, per)]
-
-
-class Rounds:
-    """Adaptive jobs: when every sample of a prefix has finished, ask ``more`` and queue the next round's units."""
-
-    def __init__(self, plan: Plan, more: More, k: int, out: list, budget: int, max_new: int):
-        self.plan, self.more, self.out, self.budget, self.max_new = plan, more, out, budget, max_new
-        self.running: dict[tuple[int, int], int] = {}  # (i, j) -> its samples still being drawn
-        self.template: dict[tuple[int, int], Unit] = {}  # (i, j) -> a unit of its prefix (group, row, length)
-        for u in plan.queue:
-            if (u.seq, u.boundary) not in self.template:
-                self.template[u.seq, u.boundary] = u
-                self.running[u.seq, u.boundary] = k
-                plan.open[u.group] = plan.open.get(u.group, 0) + 1
-
-    def finished(self, i: int, j: int) -> int | None:
-        """Count one finished sample of (i, j); the prefill group to free when that settles its whole group, else None."""
-        self.running[i, j] -= 1
-        if self.running[i, j]:
-            return None
-        drawn = self.out[i][j]
-        extra = self.more(i, j, drawn)
-        u = self.template[i, j]
-        if extra > 0:
-            self.running[i, j] = extra
-            drawn.extend([None] * extra)
-            units = split(Unit(u.group, u.row, i, j, u.length, len(drawn) - extra, extra), self.budget, self.max_new)
-            self.plan.queue.extend(reversed(units))  # popped from the end: next in line
-            self.plan.unadmitted[u.group] += len(units)
-            return None
-        self.plan.open[u.group] -= 1
-        return u.group if self.plan.can_free(u.group) else None
 
 
 def prefill_groups(bounds: list[list[int]], budget: int, vocab: int) -> list[list[int]]:

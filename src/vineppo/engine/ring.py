@@ -14,8 +14,8 @@ columns in another order, and a batch of N rows runs padded to its graph bucket)
 prefix is held once per row rather than once per unit (K copies of each Monte Carlo state's prefix) and every
 step reads all ``width`` columns of every row; a GPU's bandwidth makes that cheap next to the launches it saves.
 
-``RingPool`` (kept by the engine across jobs, since graphs are bound to its addresses) owns the buffers, the
-step's static inputs and the graphs (``graphs.py``); ``RingKV`` is one job's view of it, called by ``Batch``.
+``RingPool`` (kept by the model runner across jobs, since graphs are bound to its addresses) owns the buffers, the
+step's static inputs and the graphs (``graphs.py``); ``RingKV`` is one job's view of it, a ``batch.KVLayout``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from vineppo.core.errors import UserError
 from vineppo.engine.attention import decoding
+from vineppo.engine.batch import Batch, Group, KVLayout, ModelCall
 from vineppo.engine.graphs import Graphs, bucket
+from vineppo.engine.plan import Unit
 
 KEEP_FRACTION = 0.05  # Engine.sleep keeps a ring of at most this share of the GPU's memory, with its graphs: capturing
 # them again each iteration would cost more than the memory gives the update
@@ -123,8 +125,8 @@ class RingPool:
             self.graphs.clear()
 
 
-class RingKV:
-    """One job's rows in the ring (see the module docstring); ``Batch`` calls it as rows change."""
+class RingKV(KVLayout):
+    """One job's rows in the ring (see the module docstring)."""
 
     def __init__(self, pool: RingPool, rows: int, width: int):
         self.pool = pool
@@ -132,13 +134,14 @@ class RingKV:
         self.width = -(-width // ALIGN) * ALIGN  # columns a row needs (longest prefix + max_new), rounded up
         self.w = 0  # the write column, modulo the pool's width
 
-    def rebuild(self, batch, keep: list[int], G: int, units, groups) -> None:
+    def rebuild(self, batch: Batch, keep: list[int], G: int, units: list[Unit], groups: dict[int, Group]) -> None:
         """Kept rows to the front; room for the new ones (allocated on the job's first admission)."""
         if batch.N:
             like = groups[units[0].group].kv if units else None
             self.pool.ensure(max(self.rows, batch.N), self.width, like, keep)
 
-    def admit(self, batch, rows: list[int], units, groups) -> tuple[list[int], list[int]]:
+    def admit(self, batch: Batch, rows: list[int], units: list[Unit],
+              groups: dict[int, Group]) -> tuple[list[int], list[int]]:
         """Write each new row's prefix at the columns before the write column; slots and copies are not used here."""
         if not units:
             return [], []
@@ -162,14 +165,14 @@ class RingKV:
         zeros = [0] * len(rows)
         return zeros, zeros
 
-    def retire(self, batch, slots: list[int]) -> None:
+    def retire(self, batch: Batch, slots: list[int]) -> None:
         """Nothing to free: a finished row's length is 0, so it attends to its own write column only."""
 
-    def step(self, batch) -> None:
+    def step(self, batch: Batch) -> None:
         """Every row wrote the write column: move it on."""
         self.w = (self.w + 1) % self.pool.width
 
-    def forward(self, engine, batch) -> torch.Tensor:
+    def forward(self, model: ModelCall, batch: Batch) -> torch.Tensor:
         """One decode step over the ring, as a graph replay on CUDA (``graphs.py``); the next-token logits [N, V]."""
         pool, n = self.pool, batch.N
         nb = bucket(n, pool.rows)
@@ -181,10 +184,10 @@ class RingKV:
                 t[n:nb].zero_()
         pool.w.fill_(self.w)
         if pool.graphs is None:
-            return self._decode(engine, nb)[:n]
-        return pool.graphs.run(nb, lambda: self._decode(engine, nb))[:n]
+            return self._decode(model, nb)[:n]
+        return pool.graphs.run(nb, lambda: self._decode(model, nb))[:n]
 
-    def _decode(self, engine, nb: int) -> torch.Tensor:
+    def _decode(self, model: ModelCall, nb: int) -> torch.Tensor:
         """The step on the first ``nb`` rows of the pool's static buffers: only tensor operations of fixed shapes."""
         pool = self.pool
         cached = (pool.w - pool.cols).remainder(pool.width).unsqueeze(0) <= pool.lens[:nb].unsqueeze(1)
@@ -193,9 +196,7 @@ class RingKV:
         cache = DynamicCache()
         cache.layers = [RingLayer(k[:nb], v[:nb], pool.w) for k, v in zip(pool.k, pool.v)]
         with decoding(None, self, ring=True):
-            out = engine.model(input_ids=pool.ids[:nb].view(nb, 1), attention_mask=mask,
-                               position_ids=pool.pos[:nb].view(nb, 1), use_cache=True, **{engine.cache_kw: cache})
-        return out.logits[:, -1, :]
+            return model(pool.ids[:nb].view(nb, 1), mask, pool.pos[:nb].view(nb, 1), cache)
 
 
 def planned_rows(lengths: list[int], copies: int, budget: int, max_new: int) -> int:

@@ -16,6 +16,10 @@ top-k window is read off the logits themselves. Its draw is the same race (the a
 Exp(1) from the generator) in another order of rounding, so it draws from the same distribution but not always
 the same tokens as the eager step; the same seed on the same device gives the same samples. The first call
 compiles (seconds; a new temperature compiles again; on a CPU, torch.compile needs a C++ compiler).
+
+Entropies (``SamplingParams(entropy=True)``): each row's entropy of softmax(logits / T), the distribution before
+top-p (greedy: softmax(logits)), from the scaled logits and logsumexp the step already has: one more pass over
+[rows, vocabulary] (log-probs, exp, -p log p summed), no random number drawn, no token changed; none when not asked.
 """
 
 from __future__ import annotations
@@ -29,38 +33,54 @@ from vineppo.engine.api import SamplingParams
 TOP_K = 32  # top-p sampling first tries the TOP_K most likely tokens (exact when they hold top_p of the mass)
 WIDEN = 8  # else it widens the window by this factor until the window holds top_p (a full sort is the last resort)
 
+Drawn = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # what ``sample`` returns: per row, the token, its
+# log-prob and (when asked) the entropy of the distribution it was drawn from
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, fused: bool = False):
-    """Sample one token per row; return (tokens [N], log-probs [N] before top-p, float32)."""
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           fused: bool = False) -> Drawn:
+    """Sample one token per row; return (tokens [N], log-probs [N] before top-p, entropies [N] or None), float32.
+
+    The entropies (``params.entropy``) are those of softmax(logits / T) (greedy: softmax(logits)), from the step's
+    own scaled logits and logsumexp: one more pass over [N, V], no random number, no change to any token."""
     T = params.temperature
     if T <= 0:
         lp_all = torch.log_softmax(logits.float(), dim=-1)
         tok = lp_all.argmax(dim=-1)
-        return tok, lp_all.gather(1, tok.view(-1, 1)).view(-1)
+        return tok, lp_all.gather(1, tok.view(-1, 1)).view(-1), _entropy(lp_all) if params.entropy else None
     if fused:
         return _sample_fused(logits, params, generator)
     x = logits.float() / T if T != 1 else logits.float()  # x / 1 is x: no pass
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log-probs are x - lse: no [N, V] log-softmax is kept
     check_finite(lse)
+    ent = _entropy(torch.sub(x, lse)) if params.entropy else None
     if params.top_p < 1.0:
         tok = _draw_top_p(x, 1.0, lse, params.top_p, generator)
     else:
         tok = draw(torch.sub(x, lse).exp_(), generator)
-    return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1)
+    return tok, (x.gather(1, tok.view(-1, 1)) - lse).view(-1), ent
 
 
-def _sample_fused(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
-    """``sample`` with the passes over the vocabulary compiled; no float32 copy of the logits is written."""
+def _sample_fused(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Drawn:
+    """``sample`` with the passes over the vocabulary compiled; no float32 copy of the logits is written (but for
+    the entropies, when asked)."""
     T = float(params.temperature)
     if params.top_p >= 1.0:
         q = torch.empty(logits.shape, device=generator.device if generator is not None else logits.device)
         tok, lp, lse = _compiled(_race)(logits, q.exponential_(generator=generator).to(logits.device), T)
         check_finite(lse)
-        return tok, lp
-    lse = _compiled(_logsumexp)(logits, T)
-    check_finite(lse)
-    tok = _draw_top_p(logits, T, lse, params.top_p, generator)  # the window is read off the logits themselves
-    return tok, (logits.gather(1, tok.view(-1, 1)).float() / T - lse).view(-1)
+    else:
+        lse = _compiled(_logsumexp)(logits, T)
+        check_finite(lse)
+        tok = _draw_top_p(logits, T, lse, params.top_p, generator)  # the window is read off the logits themselves
+        lp = (logits.gather(1, tok.view(-1, 1)).float() / T - lse).view(-1)
+    return tok, lp, _entropy(logits.float() / T - lse) if params.entropy else None
+
+
+def _entropy(lp: torch.Tensor) -> torch.Tensor:
+    """Per row, the entropy in nats of the distribution whose log-probs are ``lp`` [N, V]: -sum p log p, every term
+    >= 0 (no cancellation however peaked the row), 0 log 0 = 0 (a token of logit -inf: NaN, which nansum drops)."""
+    return -torch.nansum(lp.exp().mul_(lp), dim=-1)
 
 
 def _draw_top_p(scores: torch.Tensor, T: float, lse: torch.Tensor, top_p: float, generator: torch.Generator | None):

@@ -18,6 +18,8 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from vineppo.engine.attention import decoding
+from vineppo.engine.batch import Batch, Group, KVLayout, ModelCall
+from vineppo.engine.plan import Unit
 from vineppo.engine.prefixes import Prefixes, StepView
 
 EXTRA_COLUMNS = 64  # an own-token buffer has room for this many steps (at most max_new_tokens + 1) before it is regrown
@@ -71,8 +73,8 @@ class OwnLayer(DynamicLayer):
         self._views()
 
 
-class SplitKV:
-    """The batch's caches in the split layout (see the module docstring); ``Batch`` calls it as rows change."""
+class SplitKV(KVLayout):
+    """The batch's caches in the split layout (see the module docstring)."""
 
     def __init__(self, max_new: int, p_max: int, shared: bool):
         self.extra = min(max_new + 1, EXTRA_COLUMNS)  # own-cache columns a buffer holds past the view before regrowing
@@ -82,7 +84,7 @@ class SplitKV:
         self.width = 0  # own-cache columns in the view: the most own tokens any row has
         self.view: StepView | None = None  # the prefix store's step view; None after rows change
 
-    def rebuild(self, batch, keep: list[int], G: int, units, groups) -> None:
+    def rebuild(self, batch: Batch, keep: list[int], G: int, units: list[Unit], groups: dict[int, Group]) -> None:
         """A fresh own-token cache: the kept rows' last G own columns, then zeros for the new rows."""
         self.view = None
         if batch.N == 0:
@@ -113,7 +115,8 @@ class SplitKV:
         self.cache = cache
         self.width = G
 
-    def admit(self, batch, rows: list[int], units, groups) -> tuple[list[int], list[int]]:
+    def admit(self, batch: Batch, rows: list[int], units: list[Unit],
+              groups: dict[int, Group]) -> tuple[list[int], list[int]]:
         """A prefix slot for each unit (copied into the store once); per new row: its slot and copy index."""
         slot, copy = [], []
         for u in units:
@@ -124,7 +127,7 @@ class SplitKV:
         self.view = None
         return slot, copy
 
-    def retire(self, batch, slots: list[int]) -> None:
+    def retire(self, batch: Batch, slots: list[int]) -> None:
         """Finished rows give up their prefix slots; view columns no row uses any more are dropped."""
         self.prefixes.release(slots)
         self.view = None
@@ -134,31 +137,29 @@ class SplitKV:
                 layer.shrink(width)
             self.width = width
 
-    def step(self, batch) -> None:
+    def step(self, batch: Batch) -> None:
         """Every row wrote one own column."""
         self.width += 1
 
-    def forward(self, engine, batch) -> torch.Tensor:
-        """One decode step: every row's pending token through the model; the next-token logits [N, V]."""
+    def forward(self, model: ModelCall, batch: Batch) -> torch.Tensor:
+        """One decode step: every row's pending token through ``model``; the next-token logits [N, V]."""
         N = batch.N
         with decoding(batch, self) as step:
-            logits = engine.model(input_ids=batch.pending.view(N, 1), attention_mask=self.attention_mask(batch),
-                                  position_ids=batch.pos.view(N, 1), use_cache=True,
-                                  **{engine.cache_kw: self.cache}).logits[:, -1, :]
+            logits = model(batch.pending.view(N, 1), self.attention_mask(batch), batch.pos.view(N, 1), self.cache)
         if self.shared and step.calls == 0:
-            raise NotImplementedError(f"{type(engine.model).__name__}'s attention does not go through transformers' "
-                                      "attention interface, so the engine cannot add the prefix keys it holds apart")
+            raise NotImplementedError("the model's attention does not go through transformers' attention interface, "
+                                      "so the engine cannot add the prefix keys it holds apart")
         return logits
 
     # ------------------------------------------------------------------ what a decode step reads
 
-    def step_view(self, batch) -> StepView:
+    def step_view(self, batch: Batch) -> StepView:
         """The prefix store's view for this step (recomputed only after rows changed)."""
         if self.view is None:
             self.view = self.prefixes.view(batch.slot, batch.copy)
         return self.view
 
-    def attention_mask(self, batch) -> torch.Tensor:
+    def attention_mask(self, batch: Batch) -> torch.Tensor:
         """The step's mask over each row's own columns (and, when the model attends to each row's prefix through
         the cache, its prefix columns first), plus the column being written: [N, 1, 1, keys + 1] boolean when the
         engine's attention reads it (transformers takes a 4-D mask as it is instead of building one every step),
@@ -170,7 +171,7 @@ class SplitKV:
         prefix = torch.arange(self.step_view(batch).width, device=batch.dev).unsqueeze(0) < batch.b.unsqueeze(1)
         return torch.cat([prefix, own], dim=1).long()
 
-    def prefix_rows(self, batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefix_rows(self, batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's prefix keys and values of ``layer``, [N, H, P, D] (finished rows: slot 0's, masked)."""
         P = self.step_view(batch).width
         pk, pv = self.prefixes.k[layer], self.prefixes.v[layer]

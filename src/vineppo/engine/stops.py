@@ -38,10 +38,10 @@ class Finisher:
         self.tokenizer, self.stop, self.eos, self.cand, self.out, self.progress = tokenizer, stop, eos, cand, out, progress
         self.window = max((len(s) for s in stop), default=0) + STOP_WINDOW
         self.done = 0  # samples finished so far in the job
-        self.on_emit = None  # called with (i, j) after each sample is written (adaptive jobs count them)
 
-    def check(self, batch: Batch, tok: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Finish the rows (all, or the indices ``rows``) whose fresh tokens ``tok`` end them (EOS, stop, length)."""
+    def check(self, batch: Batch, tok: torch.Tensor, rows: torch.Tensor | None = None) -> list[tuple[int, int]]:
+        """Finish the rows (all, or the indices ``rows``) whose fresh tokens ``tok`` end them (EOS, stop, length);
+        return the (sequence i, boundary j) of each sample written, in order (adaptive jobs count them)."""
         sl = slice(None) if rows is None else rows
         gen = batch.gen[sl]
         flag = torch.isin(tok, self.eos).to(torch.int8) * _EOS + (gen >= batch.limit[sl]).to(torch.int8) * _LEN
@@ -50,20 +50,21 @@ class Finisher:
         flag = flag * batch.alive[sl]
         flagged = torch.nonzero(flag).view(-1)
         if flagged.numel() == 0:
-            return
-        finished = []
+            return []
+        finished, written = [], []
         index = None if rows is None else rows.tolist()
         for r, f in zip(flagged.tolist(), flag[flagged].tolist()):
             row = r if index is None else index[r]
             reason = self._reason(batch, row, int(gen[r]), f)
             if reason is not None:
-                self._emit(batch, row, int(gen[r]), reason)
+                written.append(self._emit(batch, row, int(gen[r]), reason))
                 finished.append(row)
         if finished:
             self.done += len(finished)
             batch.retire(finished)
             if self.progress is not None:
                 self.progress(self.done)
+        return written
 
     def _reason(self, batch: Batch, row: int, n: int, f: int) -> str | None:
         """'stop' (EOS, or a stop string at the row's end), 'length', or None (a candidate that completed nothing)."""
@@ -75,10 +76,11 @@ class Finisher:
                 return "stop"
         return "length" if f & _LEN else None
 
-    def _emit(self, batch: Batch, row: int, n: int, reason: str) -> None:
+    def _emit(self, batch: Batch, row: int, n: int, reason: str) -> tuple[int, int]:
+        """Write row ``row``'s sample of ``n`` tokens into ``out``; its (i, j)."""
         ids = batch.tok[row, :n].tolist()
         i, j, c = batch.meta[row]
         self.out[i][j][c] = Sample(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                                   logprobs=batch.lp[row, :n].tolist(), finish_reason=reason)
-        if self.on_emit is not None:
-            self.on_emit(i, j)
+                                   logprobs=batch.lp[row, :n].tolist(), finish_reason=reason,
+                                   entropies=None if batch.ent is None else batch.ent[row, :n].tolist())
+        return i, j

@@ -11,7 +11,8 @@ state and the states of one response share their prefix's cached KV blocks. What
   token that completed a stop string, and ``text`` is our tokenizer's decode of them, as in the native engine.
 - logprobs: vLLM's "raw" log-probs of the sampled tokens, log_softmax of the model's logits at temperature 1
   (before temperature and top-p); the native engine reports them at the sampling temperature. Nothing in
-  training reads them: the PPO update recomputes its own.
+  training reads them: the PPO update recomputes its own. Per-token entropies (``SamplingParams.entropy``) are
+  the native engine's only: asking vLLM for them is a ValueError.
 - seeds: every request gets ``SamplingParams.seed`` drawn from the job's torch generator (vLLM gives the
   i-th sample of a request seed + i), so the same seed gives the same samples. vLLM then samples each seeded
   row with its own generator, a little slower than one batched draw.
@@ -163,6 +164,9 @@ class VLLMEngine:
 
     def _run(self, prompts, n, max_tokens, params, generator, progress) -> list[list[Sample]]:
         """One vLLM request per prompt, n samples each, with its own token limit and a seed from ``generator``."""
+        if params.entropy:
+            raise ValueError("per-token entropies (SamplingParams.entropy) come only from the native engine "
+                             "(--engine native)")
         if not prompts:
             return []
         if params.stop and self.tokenizer is None:
