@@ -80,6 +80,7 @@ class Dialogue:
     after: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] | None = None  # per token of `after` when the engine gave them (inserted tokens: 0)
     turns: list[int] = field(default_factory=list)  # offsets in `after` where the policy's turns start
     messages: list[dict] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
@@ -98,11 +99,16 @@ class Dialogue:
         env = self.env.copy() if self.env is not None and callable(getattr(self.env, "copy", None)) else None
         self.snapshots.append(Snapshot(len(self.after), len(self.messages), env, len(self.actions)))
 
-    def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
-        """Append tokens, the policy's (with their sampling log-probs) or inserted (masked out)."""
+    def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None,
+            entropies: list[float] | None = None) -> None:
+        """Append tokens, the policy's (with their sampling log-probs and entropies) or inserted (masked out)."""
+        if entropies is not None and self.entropies is None:  # the tokens before the first turn that had them
+            self.entropies = [0.0] * len(self.after)
         self.after += tokens
         self.mask += [int(policy)] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        if self.entropies is not None:
+            self.entropies += list(entropies) if entropies is not None else [0.0] * len(tokens)
 
     def sample(self, tokenizer) -> Sample:
         """This rollout as a Sample: its own tokens (from `start`), and its Turns: their mask and starts, the whole
@@ -112,5 +118,6 @@ class Dialogue:
                         list(self.actions), list(self.snapshots))
         turns = Turns(list(self.prompt), self.mask[self.start:], [t - self.start for t in self.turns if t >= self.start],
                       copying.deepcopy(self.messages), self.reward, record, dict(self.counts))
+        entropies = self.entropies[self.start:] if self.entropies is not None else None
         return Sample(own, tokenizer.decode(own, skip_special_tokens=True), self.logprobs[self.start:],
-                      self.finish or "length", dialogue=turns)
+                      self.finish or "length", entropies, dialogue=turns)

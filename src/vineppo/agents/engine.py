@@ -131,7 +131,7 @@ class AgentEngine:
     def _turn_done(self, d: Dialogue, s: Sample, cap: int) -> None:
         """Take in the policy's turn and start what answers it: a tool call, an environment step, or nothing."""
         d.seen = True
-        d.add(list(s.token_ids), True, s.logprobs)
+        d.add(list(s.token_ids), True, s.logprobs, s.entropies)
         d.actions.append(s.text)
         d.messages.append({"role": "assistant", "content": s.text})
         d.counts["turns"] += 1
