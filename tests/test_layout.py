@@ -67,6 +67,7 @@ FLOORS = [
                 ["engine.loading"]]),
     ("agents credit", [["agents.dialogue", "agents.engine", "agents", "credit.base", "credit.group", "credit.critic",
                         "credit.vine", "credit.tempo", "credit"]]),
+    ("integrations", [["integrations.trl", "integrations"]]),  # TRL's trainers with vineppo's credit; imports trl
     ("training", [["training.forward", "training.runs"],
                   ["training.ppo"],
                   ["training.guard", "training.sft", "training.evaluation"],
