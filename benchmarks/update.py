@@ -79,7 +79,7 @@ def sample(cfg, task, prompter, ctx, seed: int) -> tuple[list, float]:
     examples = train[seed * cfg.prompts_per_iter:(seed + 1) * cfg.prompts_per_iter]
     ids = prompter.encode(examples)
     t0 = time.perf_counter()
-    outputs = ctx.engine.generate(ids, cfg.samples_per_prompt, ctx.params, seeded_generator(ctx.policy, seed))
+    outputs = ctx.engine.generate(ids, cfg.samples_per_prompt, ctx.params, seeded_generator(ctx.models.policy, seed))
     took = time.perf_counter() - t0
     episodes = graded_episodes(task, ctx.tokenizer, [(g, ex, p, s) for g, (ex, p, samples)
                                                      in enumerate(zip(examples, ids, outputs)) for s in samples])
@@ -97,7 +97,7 @@ def time_update(episodes, ctx) -> float:
 def time_limit(episodes, ctx, share: bool) -> float:
     """Seconds of bare forward+backward passes over the update's own micro-batches (the same minibatch order,
     grouping and packing; `share`: prompts encoded once per micro-batch, as the update does on one process)."""
-    cfg, policy = ctx.cfg, ctx.policy
+    cfg, policy = ctx.cfg, ctx.models.policy
     prompts, responses = [ep.prompt_ids for ep in episodes], [ep.response_ids for ep in episodes]
     gen = torch.Generator().manual_seed(0)  # time_update's order generator
     policy.train()
@@ -173,7 +173,7 @@ def main() -> None:
             trl_runs.append(run_trl(args.model, trl_python, Path(args.trl_script), threads))
         episodes, sampling = sample(cfg, task, prompter, ctx, seed=r)
         tokens = sum(len(ep.response_ids) for ep in episodes)
-        update, limit = time_update(episodes, ctx), time_limit(episodes, ctx, can_share(ctx.policy))
+        update, limit = time_update(episodes, ctx), time_limit(episodes, ctx, can_share(ctx.models.policy))
         plain = time_limit(episodes, ctx, share=False)
         rows.append(dict(tokens=tokens, sampling_s=sampling, update_s=update, limit_s=limit, plain_limit_s=plain))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}

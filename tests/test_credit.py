@@ -328,3 +328,41 @@ def test_micro_batches_by_tokens_keep_a_prompts_responses_together_within_the_bu
     batches = micro_batches(list(range(6)), prompts, 2, responses, tokens=30)
     assert batches == [[1, 2], [0], [3, 5], [4]]
     assert all(len(b) * (max(len(prompts[i]) for i in b) + max(len(responses[i]) for i in b)) <= 30 for b in batches)
+
+
+# ------------------------------------------------------------------------------------ entropy states, signal
+
+
+def test_entropy_states_are_the_first_and_the_least_sure_step_starts():
+    from vineppo.credit import state_offsets
+
+    steps = [(0, 3), (3, 6), (6, 9), (9, 12)]
+    entropies = [0.1] * 12
+    entropies[6], entropies[3], entropies[9] = 2.5, 0.7, 0.7  # a planted peak at the third step's first token
+    assert state_offsets(steps, 12, "entropy:1", entropies) == [0, 6]  # the prompt's state is always one
+    assert state_offsets(steps, 12, "entropy:2", entropies) == [0, 3, 6]  # a tie goes to the earlier start
+    assert state_offsets(steps, 12, "entropy:9", entropies) == [0, 3, 6, 9]
+    entropies[0] = 9.0  # the first start is there anyway, not chosen by its entropy
+    assert state_offsets(steps, 12, "entropy:1", entropies) == [0, 6]
+    with pytest.raises(ValueError, match="per-token entropies"):
+        state_offsets(steps, 12, "entropy:1", None)
+
+
+def test_vine_with_entropy_states_estimates_only_the_chosen_states():
+    ep = _ep(1.0, n_tokens=7, steps=[(0, 2), (2, 5), (5, 7)])
+    ep.entropies = [0.5, 0.5, 0.1, 0.1, 0.1, 3.0, 0.2]  # the step at offset 5 is the unsure one
+    engine = FakeEngine([[9, 9]])
+    ctx = CreditContext(rollouts=engine, tokenizer=FakeTokenizer(), score=ends_with_answer,
+                        params=SamplingParams(max_new_tokens=50), mc_k=9, mc_states="entropy:1")
+    credit = get_estimator("vine")([ep], ctx)
+    assert engine.calls[0][1] == [[2, 7]]  # prompt length 2 + offsets 0 and 5: the offset-2 step is not a state
+    assert credit.stats["mc/states"] == 2
+
+
+def test_flat_groups_and_nonzero_tokens_count_the_missing_signal():
+    from vineppo.credit import flat_groups, nonzero_tokens
+
+    eps = [_ep(r, n_tokens=1, group=g) for g, r in ((0, 1.0), (0, 1.0), (1, 0.0), (1, 1.0), (2, 0.0), (2, 0.0))]
+    assert flat_groups(eps) == (2, 3)  # a group of equal rewards, all right or all wrong, is zero-signal
+    grpo = get_estimator("grpo")(eps, CreditContext())
+    assert nonzero_tokens(grpo.advantages, eps) == (2, 6)  # only the mixed group's two responses move

@@ -64,8 +64,10 @@ def test_two_iterations_of_each_algorithm(tiny_sft, tmp_path, algo, monkeypatch)
     assert sum(rows[2][f"test/behaviour/{b}"] for b in get_task("arith").behaviours) == pytest.approx(1)
     assert configs.load(out / "config.yaml").algo == algo
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter-000002"
+    assert 0 <= rows[1]["signal/flat_groups"] <= 1 and 0 <= rows[1]["signal/nonzero_tokens"] <= 1
     if algo == "vineppo":
         assert rows[1]["mc/states"] > 0 and rows[1]["mc/continuations"] == 2 * rows[1]["mc/states"]
+        assert rows[1]["signal/mixed_states"] == rows[1]["mc/mixed_states"] / rows[1]["mc/states"]
     if algo == "ppo":
         assert "value_loss" in rows[1] and (out / "checkpoints" / "iter-000002" / "critic.pt").exists()
 
@@ -331,3 +333,29 @@ def test_a_completions_table_goes_to_its_jsonl_and_to_tensorboard_as_text(tmp_pa
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
     text = events.Tensors("completions/text_summary")[0]
     assert text.step == 3 and b"x<br>y" in text.tensor_proto.string_val[0]
+
+
+def test_entropy_states_choose_fewer_states_from_the_samplers_entropies(tiny_sft, tmp_path):
+    torch.set_num_threads(1)
+    rows = {}
+    for mode in ("all", "entropy:1"):
+        train(_cfg(tiny_sft, tmp_path / mode, algo="vineppo", iterations=1, eval_problems=0, mc_max_states=25,
+                   mc_states=mode))
+        rows[mode] = json.loads((tmp_path / mode / "metrics.jsonl").read_text().splitlines()[-1])
+    # the same samples (the entropies change no draw): at most 2 states a response against every step start
+    assert rows["entropy:1"]["train/reward"] == rows["all"]["train/reward"]
+    assert rows["entropy:1"]["mc/states_shared"] <= 2 * rows["all"]["episodes"] < rows["all"]["mc/states_shared"]
+    with pytest.raises(UserError, match="--mc-states: entropy:M reads the sampler's per-token entropies"):
+        configs.resolve(configs.load_preset("arith-tiny"), {"mc_states": "entropy:2", "engine": "vllm"})
+
+
+def test_train_ids_choose_the_training_prompts(tiny_sft, tmp_path):
+    from vineppo.training.run import load_data
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text("# prompts the start model solves 5-30% of the time\narith-train-7\n\narith-train-3  # and this one\n")
+    data = load_data(configs.TrainConfig(train_ids=str(ids)), get_task("arith"))
+    assert [ex.id for ex in data.train] == ["arith-train-7", "arith-train-3"]
+    ids.write_text("arith-train-7\narith-train-x\n")
+    with pytest.raises(UserError, match=r"--train-ids .*ids.txt:2: no training example 'arith-train-x'"):
+        load_data(configs.TrainConfig(train_ids=str(ids)), get_task("arith"))

@@ -88,6 +88,7 @@ class TrainConfig:
     out: str | None = None  # run folder (None: a fresh folder under runs/)
     seed: int = 0  # one seed for sampling, prompt order and minibatch order
     data_seed: int = 0  # seed of generated data sets (arith) and splits: fixed, so every seed sees one test set
+    train_ids: str | None = None  # a file of training example ids, one a line: only those train, e.g. prompts chosen by the start model's pass rate (None: the whole split)
     device: str = "auto"  # auto | cpu | cuda
     iterations: int = 1000  # RL iterations (sample -> credit -> update)
     prompts_per_iter: int = 64  # prompts per iteration, drawn with replacement
@@ -100,7 +101,7 @@ class TrainConfig:
     mc_max_states: int = 25  # VinePPO: estimated states per response; later ones take V = the reward
     mc_k_min: int = 0  # VinePPO adaptive K: continuations in a state's first round (0: always mc_k, the paper's)
     mc_rule: str = "agree"  # adaptive K: a state is settled when its (>= mc_k_min) outcomes all agree, or ci:W (95% Wilson half-width <= W)
-    mc_states: str = "all"  # VinePPO states: all step starts | every:N steps | tokens:N apart | budget:B per response
+    mc_states: str = "all"  # VinePPO states: all step starts | every:N steps | tokens:N apart | budget:B per response | entropy:M (the first and the M step starts of highest next-token entropy)
     mc_train_fraction: float = 0.0  # VinePPO: share of each state's continuations that also train, as episodes with a leave-one-out advantage (tree rollouts; 0: none, the paper's)
     gamma: float = 1.0  # discount
     gae_lambda: float = 0.0  # GAE lambda (0 for VinePPO, 1 for PPO)
@@ -197,8 +198,8 @@ RULES: dict[str, Rule] = {
     "mc_k_min": AT_LEAST_0,
     "mc_rule": (lambda v: v == "agree" or (re.fullmatch(r"ci:\d*\.?\d+", v) is not None and 0 < float(v[3:]) <= 0.5),
                 "must be agree or ci:W with 0 < W <= 0.5"),
-    "mc_states": (lambda v: re.fullmatch(r"all|(every|tokens|budget):[1-9]\d*", v) is not None,
-                  "must be all, every:N, tokens:N or budget:B (N, B >= 1)"),
+    "mc_states": (lambda v: re.fullmatch(r"all|(every|tokens|budget|entropy):[1-9]\d*", v) is not None,
+                  "must be all, every:N, tokens:N, budget:B or entropy:M (N, B, M >= 1)"),
     "mc_train_fraction": FRACTION, "gamma": FRACTION, "gae_lambda": FRACTION, "epochs": AT_LEAST_1, "minibatch": AT_LEAST_1,
     "micro_batch": AT_LEAST_1, "micro_batch_tokens": AT_LEAST_0, "lr": POSITIVE, "critic_lr": POSITIVE, "weight_decay": NON_NEGATIVE,
     "grad_clip": POSITIVE, "clip": POSITIVE, "value_clip": POSITIVE, "kl_coef": NON_NEGATIVE, "clip_high": POSITIVE,
@@ -242,6 +243,9 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("scale_rewards", lambda c: c.scale_rewards == "group" or c.estimator == "grpo",
      lambda c: f"divides GRPO's group-centred reward; {c.algo}'s advantages are scaled over the batch by "
                f"--advantage-norm"),
+    ("mc_states", lambda c: not c.mc_states.startswith("entropy:") or c.engine == "native",
+     lambda c: "entropy:M reads the sampler's per-token entropies, which only the native engine records; use "
+               "--engine native"),
     ("token_budget", lambda c: c.token_budget == 0 or c.token_budget > c.max_new_tokens,
      lambda c: f"smaller than one row (a prompt plus --max-new-tokens {c.max_new_tokens} tokens)"),
     ("lora_r", lambda c: not c.lora_r or peft_installed(), lambda c: NEEDS_PEFT),

@@ -40,6 +40,7 @@ class Episode:
     steps: list[tuple[int, int]]  # token ranges [start, end) of the reasoning steps in response_ids
     truncated: bool = False
     logprobs: list[float] | None = None  # the engine's log-probs of response_ids when sampled (see Sample.logprobs)
+    entropies: list[float] | None = None  # the sampler's entropy at each token, when asked for (--mc-states entropy:M)
     dialogue: Any = None  # a dialogue's turns (vineppo.agents.Turns: its policy-token mask, what resumes it); None: one turn
 
     @property
@@ -132,6 +133,22 @@ def groups(episodes: list[Episode]) -> dict[int, list[int]]:
     return out
 
 
+
+
+def flat_groups(episodes: list[Episode]) -> tuple[int, int]:
+    """(groups whose responses all got the same reward, groups): a flat group gives GRPO and RLOO no signal at all."""
+    rewards = [{episodes[i].reward for i in members} for members in groups(episodes).values()]
+    return sum(len(r) == 1 for r in rewards), len(rewards)
+
+
+def nonzero_tokens(advantages: list[torch.Tensor], episodes: list[Episode]) -> tuple[int, int]:
+    """(the policy's tokens whose advantage is not 0, the policy's tokens) of `episodes` and their advantages."""
+    nonzero = total = 0
+    for a, ep in zip(advantages, episodes):
+        policy = torch.ones(len(a), dtype=torch.bool) if ep.mask is None else torch.tensor(ep.mask, dtype=torch.bool)
+        nonzero += int(((a != 0) & policy).sum())
+        total += int(policy.sum())
+    return nonzero, total
 
 
 def step_advantages(values: list[float], reward: float, gamma: float = 1.0) -> list[float]:

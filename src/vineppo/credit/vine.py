@@ -46,8 +46,10 @@ class States:
     unique: dict[StateKey, State]  # each distinct state once, in the order first held
 
 
-def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str) -> list[int]:
-    """Response offsets whose values are estimated (`--mc-states`): all | every:N | tokens:N | budget:B."""
+def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str,
+                  entropies: list[float] | None = None) -> list[int]:
+    """Response offsets whose values are estimated (`--mc-states`): all | every:N | tokens:N | budget:B | entropy:M
+    (`entropies`: the sampler's per-token entropies, which entropy:M reads)."""
     starts = sorted({s for s, _ in steps if s < n_tokens})
     kind, _, arg = mode.partition(":")
     if kind == "all" or not starts:
@@ -55,6 +57,8 @@ def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str) -> lis
     n = int(arg)
     if kind == "every":
         return starts[::n]
+    if kind == "entropy":
+        return entropy_starts(starts, n, entropies)
     if kind == "budget":
         # B states, each the step start nearest the point that would cut the response into B equal segments
         chosen = [starts[0]]
@@ -74,6 +78,17 @@ def state_offsets(steps: list[tuple[int, int]], n_tokens: int, mode: str) -> lis
     return chosen
 
 
+def entropy_starts(starts: list[int], m: int, entropies: list[float] | None) -> list[int]:
+    """The first step start (the prompt's state: every response's baseline) and the `m` later step starts where the
+    sampling policy was least sure of its next token (highest entropy; the earlier on ties), in order: branch where
+    a continuation can go another way, not where the next step is all but decided."""
+    if entropies is None:
+        raise ValueError("--mc-states entropy:M needs the sampler's per-token entropies (the native engine's "
+                         "SamplingParams(entropy=True))")
+    later = sorted(starts[1:], key=lambda s: (-entropies[s], s))[:m]
+    return [starts[0]] + sorted(later)
+
+
 def find_states(episodes: list[Episode], mode: str, cap: int) -> States:
     """Each episode's segment starts (`mode`: --mc-states) and, of the first `cap`, the distinct prefixes.
 
@@ -82,7 +97,7 @@ def find_states(episodes: list[Episode], mode: str, cap: int) -> States:
     example is part of the state: an environment's hidden state (a row's secret) is not in the tokens."""
     cuts, keys, unique = [], [], {}
     for i, ep in enumerate(episodes):
-        cuts.append(state_offsets(ep.steps, len(ep.response_ids), mode))
+        cuts.append(state_offsets(ep.steps, len(ep.response_ids), mode, ep.entropies))
         keys.append({s: (ep.example.id, tuple(ep.prompt_ids), tuple(ep.response_ids[:s])) for s in cuts[-1][:cap]})
         for s, key in keys[-1].items():
             unique.setdefault(key, State(i, s))
@@ -162,7 +177,7 @@ def trained_continuations(episodes: list[Episode], states: list[State],
                 continue
             extra.append(Episode(ep.prompt_ids + ep.response_ids[:st.offset], list(s.token_ids), s.text,
                                  st.rewards[i], ep.group, ep.example, [(0, len(s.token_ids))],
-                                 s.finish_reason != "stop", list(s.logprobs), s.dialogue))
+                                 s.finish_reason != "stop", list(s.logprobs), dialogue=s.dialogue))
             advantages.append(torch.full((len(s.token_ids),), float(a)))
     return extra, advantages
 
@@ -185,6 +200,7 @@ def vine(episodes: list[Episode], ctx: CreditContext) -> Credit:
     extra, extra_adv = trained_continuations(episodes, unique, ctx.mc_train_fraction)
     v = torch.tensor(used) if used else torch.zeros(1)
     stats = {"mc/states": float(len(unique)), "mc/states_shared": float(sum(map(len, states.keys))),
+             "mc/mixed_states": float(sum(len(set(known(st.rewards))) > 1 for st in unique)),  # values not decided
              "mc/continuations": float(sum(len(st.samples) for st in unique)),
              "mc/tokens": float(sum(len(s.token_ids) for st in unique for s in st.samples)),
              "value/mean": float(v.mean()), "value/std": float(v.std()) if len(v) > 1 else 0.0}

@@ -73,6 +73,9 @@ class VinePPOConfig:
                 raise ValueError(f"VinePPOConfig.{f.name}={getattr(self, f.name)!r}: {rule}")
         if self.steps == "turns":
             raise ValueError("VinePPOConfig.steps='turns': TRL's multi-turn path is not supported; steps of the text")
+        if self.mc_states.startswith("entropy:"):
+            raise ValueError(f"VinePPOConfig.mc_states={self.mc_states!r}: TRL's generation records no per-token "
+                             f"entropies; choose all, every:N, tokens:N or budget:B")
         make_splitter(self.steps)  # a bad regular expression fails here, not in the first batch
         return self
 

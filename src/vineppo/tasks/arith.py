@@ -1,7 +1,7 @@
 """`arith`: synthetic GSM8K-format word problems, generated from a seed; the embedded default task.
 
 A problem is a chain of operations (+, -, x, exact /) on a running quantity: the generator takes 1-3 digit
-operands and up to 10 operations; the registered default is 2-4 operations on 1-2 digit operands, the
+operands and up to 12 operations; the registered default is 2-4 operations on 1-2 digit operands, the
 difficulty at which the tiny CPU model learns the format in a few minutes of SFT yet still slips on
 multi-digit products and carries.
 
@@ -59,6 +59,7 @@ FORMS = {
 QUESTION = ["How many {item} does {name} have now?", "How many {item} are left in the end?",
             "How many {item} does {name} end up with?"]
 MAX_VALUE = 9999
+MAX_OPS = 12  # the longest chain: a careful solution of 12 lines stays well inside the tiny model's 1024 positions
 N_SPLIT = {"train": 20000, "validation": 500, "test": 500}
 STYLES = ("careful", "premature", "skip", "fused", "bare")
 BEHAVIOURS = STYLES + ("other",)
@@ -70,7 +71,7 @@ class Knobs:
     """The generator's settings (`--data "min_ops=2,max_ops=6,premature=0.5"`); unnamed styles have share 0."""
 
     min_ops: int = 2  # fewest operations in a problem
-    max_ops: int = 4  # most operations (at most 10)
+    max_ops: int = 4  # most operations (at most 12)
     digits: int = 2  # operand digits (1-3)
     test_size: int = 0  # problems in the test split (0: 500)
     mix: dict = field(default_factory=lambda: dict(DEFAULT_MIX))  # style -> share of the references; careful the rest
@@ -92,8 +93,8 @@ def parse_knobs(text: str | None) -> Knobs:
             raise UserError(f"task 'arith' is generated: --data takes knobs like 'min_ops=2,max_ops=6,digits=3,"
                             f"premature=0.5' ({', '.join(ints)} whole numbers; {', '.join(STYLES[1:])} shares "
                             f"in [0, 1]), not {item!r}")
-    if not (1 <= ints["min_ops"] <= ints["max_ops"] <= 10 and 1 <= ints["digits"] <= 3):
-        raise UserError(f"task 'arith': need 1 <= min_ops <= max_ops <= 10 and 1 <= digits <= 3 (got {text!r})")
+    if not (1 <= ints["min_ops"] <= ints["max_ops"] <= MAX_OPS and 1 <= ints["digits"] <= 3):
+        raise UserError(f"task 'arith': need 1 <= min_ops <= max_ops <= {MAX_OPS} and 1 <= digits <= 3 (got {text!r})")
     if sum(mix.values()) > 1 + 1e-9:
         raise UserError(f"task 'arith': the style shares add up to {sum(mix.values()):g} > 1 (got {text!r}); "
                         f"careful takes what the others leave")

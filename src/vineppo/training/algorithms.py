@@ -26,7 +26,8 @@ from vineppo.core import distributed as dist
 from vineppo.core.config import TrainConfig
 from vineppo.core.errors import UserError
 from vineppo.core.grading import Scorer
-from vineppo.credit import Credit, CreditContext, Episode, get_estimator, groups, needs, normalise, token_mean_std
+from vineppo.credit import (Credit, CreditContext, Episode, get_estimator, groups, needs, nonzero_tokens, normalise,
+                            token_mean_std)
 from vineppo.engine import RolloutEngine, SamplingParams
 from vineppo.engine.balanced import BalancedContinuations
 from vineppo.models import lora, parallel
@@ -116,6 +117,10 @@ def assign_credit(episodes: list[Episode], ctx: Context) -> tuple[Credit, dict[s
     metrics.update(_reduce_stats(credit.stats))
     if mc_engine.states_run:
         metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
+    nonzero, tokens = dist.all_sum([float(n) for n in nonzero_tokens(credit.advantages, episodes + credit.extra)])
+    metrics["signal/nonzero_tokens"] = nonzero / max(tokens, 1.0)  # before normalisation: the estimator's own zeros
+    if metrics.get("mc/states"):  # VinePPO: states whose continuations disagree (a value neither 0 nor 1)
+        metrics["signal/mixed_states"] = metrics["mc/mixed_states"] / metrics["mc/states"]
     credit.advantages = normalise(credit.advantages, cfg.advantage_norm)
     return credit, metrics
 

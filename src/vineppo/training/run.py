@@ -185,7 +185,7 @@ def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task:
     state.setup_s += time.perf_counter() - started
     bar = Bar(cfg, state.iteration, enabled=main, clock=clock)
     return Run(cfg=cfg, models=models, tokenizer=got.tokenizer, engine=engine, score=task.score, status=bar.status,
-               params=configs.section(SamplingParams, cfg, stop=tuple(task.stop)),
+               params=configs.section(SamplingParams, cfg, stop=tuple(task.stop), entropy=entropy_states(cfg)),
                sampling=lambda: parallel.sampling(device, cfg.dtype, sampler, models.trained.critic),
                out=out, device=device, task=task, algorithm=algorithm, data=data, prompter=got.prompter,
                sampler=sampler, eval_engine=eval_engine, tracker=tracker, bar=bar, state=state, clock=clock)
@@ -212,6 +212,11 @@ def token_budget(cfg: TrainConfig, sampler: torch.nn.Module, models: Models, mai
     if main and next(sampler.parameters()).device.type == "cuda":
         console.print(line, highlight=False, soft_wrap=True)
     return budget
+
+
+def entropy_states(cfg: TrainConfig) -> bool:
+    """True when the states are chosen by the sampler's entropies (--mc-states entropy:M): the engine records them."""
+    return cfg.mc_states.startswith("entropy:")
 
 
 def policy_dtype(cfg: TrainConfig) -> str | None:
@@ -251,6 +256,8 @@ def dialogues(cfg: TrainConfig, task: Task, prompter: Prompter, engine: RolloutE
 def load_data(cfg: TrainConfig, task: Task) -> Data:
     """The training set, the evaluated test problems and the validation problems, read before any model loads."""
     train_set = task.load("train", cfg.data, cfg.data_seed)
+    if cfg.train_ids:
+        train_set = chosen(train_set, Path(cfg.train_ids))
     if not train_set:
         raise UserError(f"task {cfg.task}: the training set is empty")
     val_set = task.load("validation", cfg.data, cfg.data_seed)[: cfg.val_problems] if cfg.val_problems else []
@@ -261,6 +268,25 @@ def load_data(cfg: TrainConfig, task: Task) -> Data:
     except UserError as e:  # the loaders name --data, the file flag of the other commands; here it is --eval-data
         raise UserError(str(e).replace("--data", "--eval-data")) from None
     return Data(train_set, test_set[: cfg.eval_problems], val_set)
+
+
+def chosen(examples: list[Example], path: Path) -> list[Example]:
+    """The examples whose ids `path` lists, one a line (blank lines and # comments skipped), in its order."""
+    by_id = {ex.id: ex for ex in examples}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"--train-ids {path}: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        name = line.split("#", 1)[0].strip()
+        if not name:
+            continue
+        if name not in by_id:
+            raise UserError(f"--train-ids {path}:{n}: no training example {name!r} (ids look like {examples[0].id!r})"
+                            if examples else f"--train-ids {path}: the training split is empty")
+        out.append(by_id[name])
+    return out
 
 
 def check_lengths(cfg: TrainConfig, prompter: Prompter, model, data: Data) -> None:

@@ -29,7 +29,7 @@ from vineppo.core.grading import outcome_rewards
 from vineppo.core.rewards import Call, Recording, TrainerState, recording
 from vineppo.core.steps import every_n_tokens, step_token_ranges, token_char_offsets
 from vineppo.core.tracking import console, plot_run
-from vineppo.credit import Episode, groups
+from vineppo.credit import Episode, flat_groups, groups
 from vineppo.engine import Sample
 from vineppo.models import parallel
 from vineppo.tasks import Example, Task
@@ -298,7 +298,7 @@ def _episode(task: Task, tokenizer, prompt_ids: list[int], sample: Sample, group
     else:
         steps = step_token_ranges(task.response_steps(sample.text), token_char_offsets(tokenizer, sample.token_ids))
     return Episode(turns.prompt_ids if turns is not None else prompt_ids, list(sample.token_ids), sample.text, reward,
-                   group, ex, steps, sample.finish_reason != "stop", list(sample.logprobs), turns)
+                   group, ex, steps, sample.finish_reason != "stop", list(sample.logprobs), sample.entropies, turns)
 
 
 def _informative(episodes: list[Episode], keep: int) -> list[Episode]:
@@ -406,10 +406,10 @@ def sample_metrics(run: Run, it: int, drawn: Drawn, graded: Graded) -> dict[str,
     """The iteration's sample statistics over all ranks; refuses an iteration whose responses all hit the limit."""
     mine, outputs, sampled, episodes = drawn.mine, drawn.outputs, graded.sampled, graded.episodes
     rewarded = [ep for ep in sampled if ep.reward is not None]
-    n, truncated, reward, tokens, mixed, prompts, kept_mixed, scored = dist.all_sum([
+    n, truncated, reward, tokens, mixed, prompts, kept_mixed, scored, flat, kept = dist.all_sum([
         float(len(sampled)), float(sum(ep.truncated for ep in sampled)), sum(ep.reward for ep in rewarded),
         float(sum(len(ep.response_ids) for ep in sampled)), float(_mixed_prompts(rewarded)), float(len(mine)),
-        float(_mixed_prompts(episodes)), float(len(rewarded))])
+        float(_mixed_prompts(episodes)), float(len(rewarded)), *map(float, flat_groups(episodes))])
     if truncated == n:
         raise UserError(f"iteration {it + 1}: all {int(n)} responses hit max_new_tokens={run.cfg.max_new_tokens} "
                         f"(reward 0, nothing to learn); raise --max-new-tokens or check the model. Last good "
@@ -419,7 +419,8 @@ def sample_metrics(run: Run, it: int, drawn: Drawn, graded: Graded) -> dict[str,
                         f"for all of them). Last good checkpoint: {runs.latest(run.out) or 'none yet'}")
     metrics = {"train/reward": reward / scored, "train/truncated": truncated / n, "train/response_tokens": tokens / n,
                "episodes": n, "train/mixed_prompts": mixed / max(prompts, 1.0),
-               "train/kept_mixed_prompts": kept_mixed / run.cfg.prompts_per_iter, "train/no_reward": 1 - scored / n}
+               "train/kept_mixed_prompts": kept_mixed / run.cfg.prompts_per_iter, "train/no_reward": 1 - scored / n,
+               "signal/flat_groups": flat / max(kept, 1.0)}  # the update's groups whose rewards are all equal
     if run.task.behaviour:  # the share of each way of answering among the iteration's samples
         labels = [run.task.behaviour(ex, s.text) for (_, ex), samples in zip(mine, outputs) for s in samples]
         counts = dist.all_sum([float(labels.count(name)) for name in run.task.behaviours])
