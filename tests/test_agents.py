@@ -248,7 +248,7 @@ def test_a_deterministic_environment_is_rebuilt_and_replayed_and_vine_values_tur
                                             PARAMS, records=[s.dialogue.record]))
     assert Guess.made == made + 1 and cont[0].dialogue.messages == s.dialogue.messages and cont[0].dialogue.reward == 1.0
     # VinePPO over turns: a state at every turn; the continuations from each win (the guesser is deterministic)
-    ep = _episode(SimpleNamespace(step_turns=True, step_tokens=0), TOK, [], s, 0, EX, 1.0)
+    ep = _episode(SimpleNamespace(step_turns=True, step_tokens=0), TOK, (0, EX, [], s), 1.0)
     assert ep.steps == [(0, s.dialogue.starts[1]), (s.dialogue.starts[1], s.dialogue.starts[2]), (s.dialogue.starts[2], len(s.token_ids))]
     ctx = CreditContext(rollouts=engine, tokenizer=TOK, score=lambda *a: pytest.fail("the environment rewards"),
                         params=PARAMS, mc_k=2)

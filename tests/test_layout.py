@@ -1,4 +1,4 @@
-"""The package's import structure (docs/architecture.md, "Imports"): the settings load no engine and no
+"""The package's import structure (docs/architecture.md's floors): the settings load no engine and no
 transformers, the engine's interface imports nothing of the package, and every import left inside a function
 says why on its line."""
 
@@ -165,6 +165,15 @@ def test_imports_only_go_down_the_layers_and_close_no_circle():
 def test_the_folders_are_the_floors():
     assert not misplaced(import_graph())
     assert {folder(m) for m in import_graph()} == {f for names, _ in FLOORS for f in names.split(" ")}
+
+
+def test_the_architecture_page_shows_the_same_floors():
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    rows = [line.split("|")[2] for line in page.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    shown = [sorted("" if f == "the top level" else f for f in (part.strip(" `/") for part in row.split(",")))
+             for row in rows]
+    assert shown == [sorted(names.split(" ")) for names, _ in FLOORS]
 
 
 def script_graph(folder: Path) -> dict[str, set[str]]:

@@ -191,5 +191,5 @@ def test_a_stop_string_joins_the_last_step_so_no_state_sits_in_it():
             return "".join(chr(i) for i in ids)
 
     sample = Sample([ord(c) for c in two], two, [0.0] * len(two), "stop")
-    episode = _episode(task, Chars(), [1], sample, 0, Example("x", "p", "s", "13"), 1.0)
+    episode = _episode(task, Chars(), (0, Example("x", "p", "s", "13"), [1], sample), 1.0)
     assert [b - a for a, b in episode.steps] == [len(s) for s in task.response_steps(two)]

@@ -88,11 +88,22 @@ def test_each_algorithm_raises_a_reward_it_can_learn(tiny_sft, tmp_path, algo):
     assert sum(rewards[-2:]) / 2 >= rewards[0] + 0.3, rewards
 
 
-def test_time_budget_stops_then_evaluates_and_saves(tiny_sft, tmp_path):
+def test_the_budget_stops_before_an_iteration_that_would_overshoot():
+    from vineppo.training.trainer import budget_spent
+
+    assert not budget_spent(0.0, 1e9, 1e9)  # no budget
+    assert not budget_spent(10.0, 7.0, 2.0)  # 7 s spent, iterations of 2 s: one more fits
+    assert budget_spent(10.0, 9.0, 2.0)  # it would end at 11 s: stop at 9
+    assert budget_spent(10.0, 10.5, 2.0)  # past it already (the first iteration alone took longer)
+
+
+def test_time_budget_stops_then_evaluates_and_saves(tiny_sft, tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "budget"
     summary = train(_cfg(tiny_sft, out, algo="grpo", iterations=5, eval_every=0, save_every=0, time_budget_s=1e-6))
     assert summary["iterations"] == 1 and summary["time_budget_reached"]
+    assert "; it ends after 5 iterations or 1e-06 s of training (sampling, credit, updates), whichever comes first" \
+        in capsys.readouterr().err  # the plan says what will end the run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and "test/pass@1" in rows[1]  # the final evaluation ran
     assert round(rows[1]["time/train_s"], 1) == summary["train_s"] and rows[1]["time/train_s"] >= 1e-6  # to 0.1 s

@@ -128,7 +128,7 @@ class TrainConfig:
     dpo_pairs: int = 8  # DPO+: (correct, incorrect) pairs per prompt, drawn from all such pairs of its responses
     dpo_beta: float = 0.1  # DPO+: beta, the scale of the implicit reward
     dpo_lambda: float = 50.0  # DPO+: lambda, the weight of the penalty on the chosen response's likelihood falling
-    time_budget_s: float = 0.0  # stop once sampling, credit and updates (not evaluations) took this many seconds, then evaluate and save (0: off)
+    time_budget_s: float = 0.0  # stop before an iteration that would take sampling, credit and updates (not evaluations) past this many seconds (judged by the last iteration's), then evaluate and save (0: off)
     eval_every: int = 10  # iterations between test evaluations (0: only at start and end)
     eval_split: str = "test"  # split evaluated during training
     eval_data: str | None = None  # local file for the evaluation split (None: the task's default source)

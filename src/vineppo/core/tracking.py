@@ -125,8 +125,10 @@ def plan(cfg: TrainConfig, device: str, done: int, evaluated: int) -> tuple[str,
     turns = cfg.max_turns if cfg.tools or cfg.env else 1  # a dialogue: turns of at most max_new_tokens each
     length = f"dialogues of at most {turns} turns x {cfg.max_new_tokens} tokens" if turns > 1 or cfg.tools or cfg.env \
         else f"at most {cfg.max_new_tokens} tokens"
+    ends = (f"; it ends after {plural(left, 'iteration')} or {cfg.time_budget_s:g} s of training (sampling, credit, "
+            f"updates), whichever comes first" if cfg.time_budget_s > 0 else "")
     line = (f"plan: {plural(left, 'iteration')} x {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} responses "
-            f"x {length}; {mc}; {evaluation}")
+            f"x {length}; {mc}; {evaluation}{ends}")
     responses = left * cfg.prompts_per_iter * cfg.samples_per_prompt
     tokens = (responses + evals * evaluated * cfg.eval_samples) * cfg.max_new_tokens * turns
     if device != "cpu" or tokens <= GPU_SIZED_TOKENS:

@@ -124,7 +124,7 @@ def iteration(run: Run, it: int) -> bool:
                **logged_metrics(logged, "metric/")}
     warn_without_signal(run, metrics)
     run.state.train_s += t2 - t0
-    return record(run, it, metrics, graded)  # 4. evaluate, log, checkpoint
+    return record(run, it, metrics, graded, spent=t2 - t0)  # 4. evaluate, log, checkpoint
 
 
 def generators(cfg: TrainConfig, it: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
@@ -186,12 +186,11 @@ def return_freed_memory() -> bool:
     return True
 
 
-def record(run: Run, it: int, metrics: dict[str, float], graded: Graded) -> bool:
-    """Step 4 of iteration `it`: evaluate, log, write a completions table, checkpoint; True if it is the last."""
+def record(run: Run, it: int, metrics: dict[str, float], graded: Graded, spent: float) -> bool:
+    """Step 4 of iteration `it` (which took `spent` training seconds): evaluate, log, write a completions table,
+    checkpoint; True if it is the last."""
     cfg, state, done = run.cfg, run.state, it + 1
-    # the mean over ranks, so every rank stops at the same iteration; no collective when there is no budget
-    last = done == cfg.iterations or (cfg.time_budget_s > 0 and
-                                      cfg.time_budget_s <= dist.all_sum([state.train_s])[0] / dist.world())
+    last = done == cfg.iterations or budget_spent(cfg.time_budget_s, state.train_s, spent)
     if (run.data.test or run.data.val) and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
         run.bar.status("evaluating")
         t0 = time.perf_counter()
@@ -220,6 +219,16 @@ def record(run: Run, it: int, metrics: dict[str, float], graded: Graded) -> bool
     if dist.is_main() and not console.is_terminal:
         console.print(f"iter {done}/{cfg.iterations} {status} ({state.wall_clock_s:.0f}s)")
     return last
+
+
+def budget_spent(budget_s: float, train_s: float, spent: float) -> bool:
+    """True when --time-budget-s has no room for one more iteration as long as the last (`spent`): the run stops
+    before an iteration that would overshoot, not after it. The mean over ranks, so every rank stops together; no
+    collective without a budget."""
+    if budget_s <= 0:
+        return False
+    train_s, spent = (x / dist.world() for x in dist.all_sum([train_s, spent]))
+    return train_s + spent > budget_s
 
 
 def evaluate_policy(run: Run, iteration: int) -> dict[str, float]:
@@ -258,7 +267,8 @@ def finish(run: Run) -> dict:
         summary["gain"] = state["final_test_pass@1"] - state["start_test_pass@1"]
     summary.update({k: state[k] for k in ("start_test_behaviours", "final_test_behaviours") if state.get(k)})
     summary.update({"iterations": state["iteration"], **{k: state[k] for k in TIMES},
-                    "time_budget_reached": 0 < run.cfg.time_budget_s <= state["train_s"]})
+                    "time_budget_reached": run.cfg.time_budget_s > 0 and (state["iteration"] < run.cfg.iterations or
+                                                                          state["train_s"] >= run.cfg.time_budget_s)})
     if run.data.val:  # the model selection: the iteration with the best validation pass@1, and its test pass@1
         summary.update({k: state[k] for k in ("best_val_iteration", "best_val_pass@1", "test_at_best_val_pass@1")})
     summary = rounded(summary)
@@ -280,16 +290,20 @@ def rounded(value: Any) -> Any:
     return round(value, 6) if isinstance(value, float) else value
 
 
-def graded_episodes(task: Task, tokenizer, drawn: list[tuple[int, Example, list[int], Sample]]) -> list[Episode]:
-    """Drawn responses (group, example, prompt ids, sample) scored in one batch (Task.score) and cut into steps."""
+# A drawn response: (its group: the prompt's index in the iteration's batch, the example, the prompt's ids, the sample).
+Draw = tuple[int, Example, list[int], Sample]
+
+
+def graded_episodes(task: Task, tokenizer, drawn: list[Draw]) -> list[Episode]:
+    """Drawn responses scored in one batch (Task.score) and cut into steps."""
     rewards = outcome_rewards(task.score, [ex for _, ex, _, _ in drawn], [s for *_, s in drawn])
-    return [_episode(task, tokenizer, ids, s, g, ex, r) for (g, ex, ids, s), r in zip(drawn, rewards)]
+    return [_episode(task, tokenizer, d, r) for d, r in zip(drawn, rewards)]
 
 
-def _episode(task: Task, tokenizer, prompt_ids: list[int], sample: Sample, group: int, ex: Example,
-             reward: float | None) -> Episode:
+def _episode(task: Task, tokenizer, drawn: Draw, reward: float | None) -> Episode:
     """One graded response, its reasoning steps mapped to token ranges (runs of `task.step_tokens` tokens, or a
     dialogue's turns); a dialogue keeps its turns and the prompt its engine gave it."""
+    group, ex, prompt_ids, sample = drawn
     n, turns = len(sample.token_ids), sample.dialogue
     if task.step_turns and turns is not None:
         steps = list(zip(turns.starts, turns.starts[1:] + [n]))
