@@ -487,24 +487,24 @@ class AnalysisPrompter(PlainPrompter):
     tokenizer = TOK
 
 
-def _gambler(seed: int = 0):
-    """A player that guesses 7 on turn t with chance WIN[t], else 1 (the turn: the answers it has read so far)."""
+def _gambler(win: tuple[float, ...], seed: int = 0):
+    """A player that guesses 7 on turn t with chance win[t], else 1 (the turn: the answers it has read so far)."""
     import random
 
     rng = random.Random(seed)
 
     def turn(text: str) -> str:
         t = sum(line in ("higher", "lower") for line in text.split("\n"))
-        return "I guess 7." if rng.random() < WIN[t] else "I guess 1."
+        return "I guess 7." if rng.random() < win[t] else "I guess 1."
 
     return turn
 
 
-def _game_inputs(problems: int = 3):
+def _game_inputs(problems: int = 3, win: tuple[float, ...] = WIN):
     """The analyses' Inputs for the gambler's game: three turns, the environment's reward, no reward function."""
     from vineppo.analysis.values import Inputs
 
-    engine = _engine(_gambler(), tools=(), env=Guess, max_turns=3)
+    engine = _engine(_gambler(win), tools=(), env=Guess, max_turns=3)
     task = SimpleNamespace(step_turns=True, step_tokens=0, stop=(), agent=engine.spec, solved=lambda r: r == 1.0,
                            score=lambda *a: pytest.fail("the environment rewards"))
     return Inputs(task, [Example(f"row-{i}", "Q:", "", "") for i in range(problems)], None, "script",
@@ -555,7 +555,11 @@ def test_analyze_credit_on_dialogues_puts_the_truths_blame_on_the_turns_that_los
     assert [s["grpo"]["share"]["mean"] for s in shares] == pytest.approx([1 / 3] * 3)
     assert res["distance"]["3 turns"]["truth"]["mean"] == 0.0
     assert res["distance"]["3 turns"]["grpo"]["mean"] == pytest.approx(1 / 3, abs=0.1)
+    assert res["overall"]["grpo"] == res["distance"]["3 turns"]["grpo"] and res["wrong_in_one_turn"] == 0
     assert all(row["messages"][-1] == {"role": "user", "content": "higher"} for row in res["rows"])
+    # a player that always wins leaves nothing to blame: no rows, no continuations, no crash
+    none = analyze_turn_credit(_game_inputs(win=(1.0, 1.0, 1.0)), CreditStudy(2, 4, 6, 8, 0, 80))
+    assert none["wrong"] == 0 and none["rows"] == [] and none["analysed"] == {}
 
 
 def _dialogue_task(tmp_path) -> list[str]:
@@ -594,9 +598,10 @@ def test_analyze_credit_runs_on_a_dialogue_task_and_refuses_steps_inside_turns(t
                   "--responses", "3", "--gt-k", "4", "--out", str(out), "--json"])
     assert done.value.code == 0, capsys.readouterr().err[-2000:]
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["responses"] == 16 and sum(summary["analysed"].values()) == min(3, summary["wrong"])
     saved = json.loads((out / "credit.json").read_text())
-    assert {"truth", "grpo", "vineppo_k3"} <= set(saved["methods"])
+    assert summary["responses"] == 16 and summary["wrong"] == saved["wrong"]
+    assert sum(summary["analysed"].values()) == min(3, saved["wrong"] - saved["wrong_in_one_turn"])
+    assert {"truth", "grpo", "vineppo_k3"} <= set(saved["methods"]) or not summary["analysed"]
     assert (out / "credit.md").read_text().startswith("| dialogues | method |")
     for command in ("analyze-values", "analyze-credit"):
         with pytest.raises(SystemExit) as done:

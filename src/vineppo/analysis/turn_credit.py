@@ -2,7 +2,8 @@
 of its turns does each estimator's advantage blame, and which does the truth blame?
 
 The responses are dialogues and their steps are their turns (`--steps turns`). A dialogue *fails* when its reward
-does not solve it (`task.solved`). For up to `--responses` failed dialogues (`round_robin` over the problems, from
+does not solve it (`task.solved`); one that failed in its first turn has no turns to tell apart and is counted, not
+analysed. For up to `--responses` failed dialogues of two turns or more (`round_robin` over the problems, from
 `--samples` dialogues to each of `--problems` problems at the training temperature), every method's per-token
 advantages, un-whitened, as training computes them (`localisation.advantages`): VinePPO with K = 1, 3, 9 and adaptive
 K (3 to 9, agree), GRPO, RLOO, TEMPO, PPO's critic with GAE (lambda 1, with `--critic`), and the **truth**: VinePPO
@@ -18,7 +19,8 @@ Per dialogue and method, on the policy's own tokens (a tool's or the environment
   truth's proportions, 1 when it blames only turns the truth does not; none when either has no negative mass.
 
 Dialogues of different lengths are summarised apart (`T turns`): the mean ± standard error of each turn's share and
-of the distance. The truth is a Monte Carlo mean too: with few continuations its shares carry noise of their own.
+of the distance; the distance also over every analysed dialogue (`overall`). The truth is a Monte Carlo mean too:
+with few continuations its shares carry noise of their own.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def distance(shares: list[float] | None, truth: list[float] | None) -> float | N
 
 
 def failed(episodes: list[Episode], task, per: int) -> list[int]:
-    """Up to `per` failed dialogues (reward not solving them), taken `round_robin` over the problems."""
-    return [i for i in round_robin(episodes) if not task.solved(episodes[i].reward)][:per]
+    """Up to `per` failed dialogues (reward not solving them) of two turns or more, `round_robin` over the problems."""
+    return [i for i in round_robin(episodes) if not task.solved(episodes[i].reward) and len(episodes[i].steps) > 1][:per]
 
 
 def summarise(rows: list[dict], methods: list[str]) -> tuple[dict, dict]:
@@ -79,7 +81,8 @@ def analyze_turn_credit(got: Inputs, study: CreditStudy = CreditStudy(), progres
     ctx = CreditContext(rollouts=got.engine, tokenizer=got.prompter.tokenizer, score=task.score, params=params,
                         mc_max_states=25)
     t1 = time.perf_counter()
-    adv = advantages(episodes, chosen, ctx, study.gt_k, study.seed, got.critic, progress)
+    # no failed dialogue: nothing to blame, and no continuation to draw
+    adv = advantages(episodes, chosen, ctx, study.gt_k, study.seed, got.critic, progress) if chosen else {}
     t2 = time.perf_counter()
     rows = []
     for j, i in enumerate(chosen):
@@ -94,8 +97,10 @@ def analyze_turn_credit(got: Inputs, study: CreditStudy = CreditStudy(), progres
         rows.append(row)
     methods = list(adv)
     shares, distances = summarise(rows, methods)
-    return {"summary": shares, "distance": distances, "methods": methods, "responses": len(episodes),
-            "wrong": sum(not task.solved(ep.reward) for ep in episodes),
+    return {"summary": shares, "distance": distances, "overall": {m: mean_se([r[m]["distance"] for r in rows])
+                                                                   for m in methods},
+            "methods": methods, "responses": len(episodes), "wrong": sum(not task.solved(ep.reward) for ep in episodes),
+            "wrong_in_one_turn": sum(not task.solved(ep.reward) and len(ep.steps) == 1 for ep in episodes),
             "analysed": {label: sum(f"{r['turns']} turns" == label for r in rows) for label in distances},
             "settings": {**asdict(study), "temperature": TEMPERATURE, "top_p": TOP_P},
             "timing": {"sampling_s": t1 - t0, "advantages_s": t2 - t1}, "rows": rows}

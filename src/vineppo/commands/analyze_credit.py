@@ -47,6 +47,8 @@ def turn_table(result: dict) -> str:
             shares = " / ".join(_cell(result["summary"][f"turn {t + 1} of {n}"][m]["share"]) for t in range(n))
             out.append(f"| {label} | {NAMES.get(m, m)} | {shares} | {_cell(per[m])} | "
                        f"{result['summary'][f'turn 1 of {n}'][m]['share']['n']} |")
+    for m, d in result["overall"].items():
+        out.append(f"| all | {NAMES.get(m, m)} | | {_cell(d)} | {d['n']} |")
     return "\n".join(out)
 
 
@@ -145,11 +147,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         plot(result, out / "credit.png")
     console.print(text)
-    found = f"analysed {result['analysed']}" if turns else f"first errors {result['first_error_kinds']}"
+    found = f"{result['wrong_in_one_turn']} of them in their first turn (not analysed); analysed {result['analysed']}" \
+        if turns else f"first errors {result['first_error_kinds']}"
     console.print(f"{result['wrong']} of {result['responses']} {'dialogues' if turns else 'responses'} wrong; {found}; "
                   f"{result['timing']['advantages_s']:.0f}s of advantages; wrote {out / 'credit.json'}")
     if args.json:
-        keys = ("summary", "distance", "analysed", "responses", "wrong") if turns else \
+        keys = ("summary", "distance", "overall", "analysed", "responses", "wrong") if turns else \
             ("summary", "first_error_kinds", "analysed", "responses", "wrong")
         print(json.dumps({k: result[k] for k in keys}))
     return 0
