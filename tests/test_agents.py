@@ -3,6 +3,7 @@ out of the update, VinePPO's states sit at turn boundaries and its continuations
 one line or a message back to the model, counted. A scripted engine writes the policy's turns."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -474,3 +475,135 @@ def test_the_agent_studys_runner_refuses_a_budget_that_is_not_positive(tmp_path,
     done = subprocess.run([sys.executable, str(root / "results/agents/run.py"), "--scratch", str(tmp_path), "--dry",
                            "--budget-s", budget], capture_output=True, text=True)
     assert done.returncode == 2 and "--budget-s must be > 0" in done.stderr
+
+
+# ------------------------------------------------------------------ the analyses on dialogues (vineppo.analysis)
+
+WIN = (0.5, 0.5, 0.0)  # the chance that the scripted player's guess on turn 1, 2, 3 is the secret (7)
+EXACT = (0.75, 0.5, 0.0)  # so the value at each turn start: V3 = 0, V2 = 1/2 + 1/2 V3, V1 = 1/2 + 1/2 V2
+
+
+class AnalysisPrompter(PlainPrompter):
+    tokenizer = TOK
+
+
+def _gambler(win: tuple[float, ...], seed: int = 0):
+    """A player that guesses 7 on turn t with chance win[t], else 1 (the turn: the answers it has read so far)."""
+    import random
+
+    rng = random.Random(seed)
+
+    def turn(text: str) -> str:
+        t = sum(line in ("higher", "lower") for line in text.split("\n"))
+        return "I guess 7." if rng.random() < win[t] else "I guess 1."
+
+    return turn
+
+
+def _game_inputs(problems: int = 3, win: tuple[float, ...] = WIN):
+    """The analyses' Inputs for the gambler's game: three turns, the environment's reward, no reward function."""
+    from vineppo.analysis.values import Inputs
+
+    engine = _engine(_gambler(win), tools=(), env=Guess, max_turns=3)
+    task = SimpleNamespace(step_turns=True, step_tokens=0, stop=(), agent=engine.spec, solved=lambda r: r == 1.0,
+                           score=lambda *a: pytest.fail("the environment rewards"))
+    return Inputs(task, [Example(f"row-{i}", "Q:", "", "") for i in range(problems)], None, "script",
+                  AnalysisPrompter(), engine)
+
+
+def test_analyze_values_on_dialogues_resumes_each_state_at_its_turn():
+    """States at turn starts, valued by continuations that resume there: the truth at each turn is the game's exact
+    value there (turn 3's exactly 0, so every K is exact there while the group mean is not); a continuation resumed
+    at another turn, or an environment not replayed, would give another value."""
+    from vineppo.analysis.values import Study, analyze
+
+    got = _game_inputs()
+    res = analyze(got.engine, TOK, got.task, got.examples, Study(24, 400, 3, 3, 0, 80), prompter=got.prompter)
+    turns = res["per_turn"]
+    assert set(turns) == {"0", "1", "2"} and sum(t["states"] for t in turns.values()) == res["states"] == 24
+    for t, exact in enumerate(EXACT):
+        assert turns[str(t)]["true_mean"] == pytest.approx(exact, abs=0.06)
+    assert turns["2"]["true_mean"] == 0.0
+    assert [turns["2"]["mae"][m] for m in ("vineppo_k1", "vineppo_k3", "vineppo_k9")] == [0.0, 0.0, 0.0]
+    assert turns["2"]["mae"]["grpo"] > 0.4 and res["mae"]["ppo_critic"] is None
+    assert res["mae"]["vineppo_k9"] < res["mae"]["vineppo_k1"]
+    # step ranking over next turns: each alternative a turn and the environment's answer, valued from there
+    assert res["ranking"]["alternatives"] == 9 and res["ranking"]["pairs"] > 0
+
+
+def test_turn_shares_count_the_policys_tokens_only():
+    from vineppo.analysis.turn_credit import distance, turn_shares
+
+    adv = torch.tensor([-1.0, -1.0, -9.0, 0.5, -2.0, 0.0])  # token 2 was inserted (mask 0): not the policy's
+    assert turn_shares(adv, [(0, 3), (3, 6)], [1, 1, 0, 1, 1, 1]) == [0.5, 0.5]
+    assert turn_shares(adv.abs(), [(0, 3), (3, 6)], [1] * 6) is None  # no negative mass
+    assert distance([0.5, 0.5, 0.0], [0.0, 0.25, 0.75]) == pytest.approx(0.75) and distance(None, [1.0]) is None
+
+
+def test_analyze_credit_on_dialogues_puts_the_truths_blame_on_the_turns_that_lost_value():
+    """Every failed game guessed 1, 1, 1: the first guess lost 1/4 of the game's value, the second 1/2, the third
+    nothing (V3 = 0 = the reward), so the truth puts 1/3 and 2/3 of the blame on turns 1 and 2 and none on turn 3;
+    GRPO blames the three turns alike (their tokens are equal)."""
+    from vineppo.analysis.localisation import CreditStudy
+    from vineppo.analysis.turn_credit import analyze_turn_credit
+
+    res = analyze_turn_credit(_game_inputs(), CreditStudy(3, 8, 6, 400, 0, 80))
+    assert res["analysed"] == {"3 turns": 6} and res["wrong"] >= 6
+    shares = [res["summary"][f"turn {t} of 3"] for t in (1, 2, 3)]
+    assert [s["truth"]["share"]["mean"] for s in shares] == pytest.approx([1 / 3, 2 / 3, 0.0], abs=0.1)
+    assert shares[2]["truth"]["share"]["mean"] == 0.0 and shares[2]["vineppo_k3"]["share"]["mean"] == 0.0
+    assert [s["grpo"]["share"]["mean"] for s in shares] == pytest.approx([1 / 3] * 3)
+    assert res["distance"]["3 turns"]["truth"]["mean"] == 0.0
+    assert res["distance"]["3 turns"]["grpo"]["mean"] == pytest.approx(1 / 3, abs=0.1)
+    assert res["overall"]["grpo"] == res["distance"]["3 turns"]["grpo"] and res["wrong_in_one_turn"] == 0
+    assert all(row["messages"][-1] == {"role": "user", "content": "higher"} for row in res["rows"])
+    # a player that always wins leaves nothing to blame: no rows, no continuations, no crash
+    none = analyze_turn_credit(_game_inputs(win=(1.0, 1.0, 1.0)), CreditStudy(2, 4, 6, 8, 0, 80))
+    assert none["wrong"] == 0 and none["rows"] == [] and none["analysed"] == {}
+
+
+def _dialogue_task(tmp_path) -> list[str]:
+    """A tiny dialogue task's flags: 8 arith prompts answered in two turns by TwoTurns, which gives the reward."""
+    from vineppo.tasks import get_task
+
+    task = get_task("arith")
+    rows = [{"prompt": task.prompt(ex), "answer": ex.answer} for ex in task.load("test", "premature=0", 0)[:8]]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "game.py").write_text(ENV_FILE)
+    return ["--task", "custom", "--data", str(tmp_path / "test.jsonl"), "--env", f"{tmp_path / 'game.py'}:TwoTurns",
+            "--max-turns", "2", "--max-new-tokens", "24", "--device", "cpu"]
+
+
+def test_analyze_values_runs_on_a_dialogue_task_from_the_command_line(tiny_sft, tmp_path):
+    flags = _dialogue_task(tmp_path)
+    out = tmp_path / "values"
+    done = subprocess.run([sys.executable, "-m", "vineppo", "analyze-values", "--model", str(tiny_sft), *flags,
+                           "--states", "8", "--gt-k", "4", "--ranking-states", "1", "--alternatives", "2", "--out",
+                           str(out), "--json"], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert printed["states"] == 8 and set(printed["per_turn"]) <= {"0", "1"}
+    assert sum(t["states"] for t in printed["per_turn"].values()) == 8
+    assert printed["mae"]["vineppo_k3"] is not None and printed["mae"]["ppo_critic"] is None
+    assert "MAE per turn" in done.stderr and (out / "values.png").stat().st_size > 0
+
+
+def test_analyze_credit_runs_on_a_dialogue_task_and_refuses_steps_inside_turns(tiny_sft, tmp_path, capsys):
+    from vineppo import cli
+
+    flags = _dialogue_task(tmp_path)
+    out = tmp_path / "credit"
+    with pytest.raises(SystemExit) as done:
+        cli.main(["analyze-credit", "--model", str(tiny_sft), *flags, "--problems", "4", "--samples", "4",
+                  "--responses", "3", "--gt-k", "4", "--out", str(out), "--json"])
+    assert done.value.code == 0, capsys.readouterr().err[-2000:]
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.loads((out / "credit.json").read_text())
+    assert summary["responses"] == 16 and summary["wrong"] == saved["wrong"]
+    assert sum(summary["analysed"].values()) == min(3, saved["wrong"] - saved["wrong_in_one_turn"])
+    assert {"truth", "grpo", "vineppo_k3"} <= set(saved["methods"]) or not summary["analysed"]
+    assert (out / "credit.md").read_text().startswith("| dialogues | method |")
+    for command in ("analyze-values", "analyze-credit"):
+        with pytest.raises(SystemExit) as done:
+            cli.main([command, "--model", str(tiny_sft), *flags, "--steps", "lines", "--out", str(tmp_path / "x")])
+        assert done.value.code != 0 and "value a dialogue at its turn starts" in capsys.readouterr().err

@@ -76,7 +76,7 @@ class FakeEngine:
         self.calls = []
         self.budgets = []
 
-    def generate(self, prompts, n, params, generator=None, progress=None):
+    def generate(self, prompts, n, params, generator=None, progress=None, examples=None):
         return [[_sample("#### 4" if m % 2 == 0 else "#### 5") for m in range(n)] for _ in prompts]
 
     def continuations(self, req):

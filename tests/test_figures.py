@@ -367,6 +367,57 @@ def _release_row(rows: list[dict], tool: bool = True) -> str:
                          f"{sum(f == 'length' for f in finishes)} of {len(finishes)} samples |")
 
 
+AGENT_VALUES, AGENT_CREDIT = "results/agents/values-guess-number.json", "results/agents/credit-guess-number.json"
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
+
+
+def _turn_values(text: str) -> Callable[[dict], str]:
+    """`text` with the guessing game's per-turn value study: its size, the truth's noise, each method's MAE (overall:
+    {k1}, {k3}, {k9}, {grpo}, {rloo}, {tempo}; per turn: {k3_turns}, {k9_turns}, {grpo_turns}), the mean truths."""
+    def render(v: dict) -> str:
+        turns = sorted(v["per_turn"], key=int)
+        per = {t: v["per_turn"][t] for t in turns}
+        fields = {name: f"{v['mae'][m]:.3f}" for name, m in (("k1", "vineppo_k1"), ("k3", "vineppo_k3"),
+                                                              ("k9", "vineppo_k9"), ("grpo", "grpo"), ("rloo", "rloo"),
+                                                              ("tempo", "tempo"))}
+        fields.update({f"{name}_turns": " / ".join(f"{per[t]['mae'][m]:.3f}" for t in turns)
+                       for name, m in (("k3", "vineppo_k3"), ("k9", "vineppo_k9"), ("grpo", "grpo"))})
+        return text.format(**fields, states=v["states"], games=len({r["problem"] for r in v["rows"]}),
+                           per_game=v["settings"]["responses_per_problem"], gt_k=v["settings"]["gt_k"],
+                           se=f"{v['truth_se']:.3f}", turns=_and([str(int(t) + 1) for t in turns]),
+                           counts=_and([str(per[t]["states"]) for t in turns]),
+                           truths=_and([f"{per[t]['true_mean']:.3f} at turn {int(t) + 1}" for t in turns]),
+                           seconds=f"{v['timing']['sampling_s'] + v['timing']['monte_carlo_s']:.0f}")
+    return render
+
+
+# the guessing game's per-turn studies as the pages quote them
+QUOTED_VALUES = dict(states=16, games=2, per_game=8, gt_k=32, se="0.071", seconds="672", k1="0.262", k3="0.132",
+                     k9="0.112", grpo="0.117", rloo="0.131", tempo="0.152", turns="1 and 2", counts="10 and 6",
+                     k3_turns="0.124 / 0.144", k9_turns="0.127 / 0.087", grpo_turns="0.128 / 0.099",
+                     truths="0.222 at turn 1 and 0.193 at turn 2")
+QUOTED_CREDIT = dict(seconds="603", games=64, problems=8, per_game=8, lost=50, first=13, analysed=6, unblamed=4,
+                     k3_n=2, k9_n=5, truth_n=6, grpo_n=3, k3_d="0.109", k9_d="0.177", grpo_d="0.371")
+
+
+def _turn_credit(text: str) -> Callable[[dict], str]:
+    """`text` with the guessing game's credit-over-turns study: the games, the lost ones, the analysed ones, and per
+    method the lost games it blamed ({k3_n}, ...) and its mean distance to the truth's shares ({k3_d}, ...)."""
+    def render(c: dict) -> str:
+        names = (("k3", "vineppo_k3"), ("k9", "vineppo_k9"), ("grpo", "grpo"), ("truth", "truth"))
+        over = c["overall"]
+        return text.format(games=c["responses"], problems=c["settings"]["problems"], per_game=c["settings"]["samples"],
+                           lost=c["wrong"], first=c["wrong_in_one_turn"], analysed=sum(c["analysed"].values()),
+                           unblamed=sum(c["analysed"].values()) - over["vineppo_k3"]["n"],
+                           seconds=f"{c['timing']['sampling_s'] + c['timing']['advantages_s']:.0f}",
+                           **{f"{k}_n": over[m]["n"] for k, m in names},
+                           **{f"{k}_d": f"{over[m]['mean']:.3f}" for k, m in names if k != "truth"})
+    return render
+
+
 FIGURES = [
     Figure("README.md", "18.0 / 3.9 / 6.4", SFT_EVALS, _pass1),
     Figure("README.md", "47.7 / 40.6 / 38.7", FINAL_EVALS, _pass1),
@@ -586,6 +637,25 @@ FIGURES = [
                                     for r in ("iterations", "seconds") for s in SEEDS))),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
+    *(Figure("results/agents/README.md", text.format(**QUOTED_VALUES), (AGENT_VALUES,), _turn_values(text)) for text in (
+        "{states} states, one turn start drawn from each of {states} of its games ({games} test games × {per_game}, T = 0.6); "
+        "{seconds} s of sampling and continuations",
+        "the mean absolute error against the truth is VinePPO K = 3 {k3}, K = 9 {k9}, K = 1 {k1}, GRPO's group mean "
+        "{grpo} (RLOO {rloo}, TEMPO {tempo}); per turn (turns {turns}: {counts} states;",
+        "K = 3 {k3_turns}, K = 9 {k9_turns}, group mean {grpo_turns}. The truth's own standard error averages {se}",
+        "({truths}) than K = 3 errs", "mean reward of {gt_k} continuations that resume the game")),
+    *(Figure("examples/guess-number/README.md", text.format(**QUOTED_VALUES), (AGENT_VALUES,), _turn_values(text))
+      for text in ("on {states} turn starts of the released model's games, against a truth of {gt_k} continuations "
+                   "each (its standard error {se} on average), VinePPO K = 3, the study's setting, has a mean absolute "
+                   "error of {k3}, against {k9} for K = 9 and {grpo} for GRPO's group mean (per turn, turns {turns}: "
+                   "{k3_turns}, {k9_turns} and {grpo_turns})",)),
+    *(Figure(page, text.format(**QUOTED_CREDIT), (AGENT_CREDIT,), _turn_credit(text)) for page, text in (
+        ("results/agents/README.md", "{seconds} s): of {games} games ({problems} test games × {per_game}) {lost} were "
+         "lost, {first} of them in their first turn; of the first {analysed} lost games of 2 or 3 turns, VinePPO K = 3 "
+         "put negative advantage on {k3_n} (in the other {unblamed}"),
+        ("results/agents/README.md", "K = 9 on {k9_n}, the truth on {truth_n} and GRPO on {grpo_n}"),
+        ("results/agents/README.md", "from the truth's was K = 3 {k3_d}, K = 9 {k9_d}, GRPO {grpo_d}"),
+        ("examples/guess-number/README.md", "of {analysed} lost games it gave {unblamed} no credit at all"))),
 ]
 
 

@@ -74,7 +74,7 @@ FLOORS = [
                   ["training.algorithms"],
                   ["training.run"],
                   ["training.trainer", "training"]]),
-    ("analysis", [["analysis.values"], ["analysis.localisation", "analysis"]]),
+    ("analysis", [["analysis.values"], ["analysis.localisation", "analysis.turn_credit", "analysis"]]),
     (" commands", [["api", "commands", "commands.train", "commands.eval", "commands.sft", "commands.compare",
                     "commands.export", "commands.analyze_values", "commands.analyze_credit", "commands.inspect_data"],
                    ["", "cli", "__main__"]]),  # "": the package itself (its __getattr__ loads the API)

@@ -35,12 +35,12 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from vineppo.analysis.values import TEMPERATURE, TOP_P
-from vineppo.core.grading import outcome_rewards
 from vineppo.core.steps import step_token_ranges, token_char_offsets
 from vineppo.credit import CreditContext, Episode, get_estimator
 from vineppo.engine import SamplingParams
 from vineppo.models.prompts import Prompter
 from vineppo.tasks.arith import first_wrong_line
+from vineppo.training.trainer import graded_episodes
 
 LABELS = {"premature": "behaviour", "skip": "behaviour", "slip": "slip"}  # first-error kind -> analysed label
 VINE = (("vineppo_k1", 1, 0), ("vineppo_k3", 3, 0), ("vineppo_k9", 9, 0), ("vineppo_adaptive", 9, 3))
@@ -94,32 +94,32 @@ class CreditStudy:
 
 def sample_episodes(engine, prompter: Prompter, task, examples: list, study: CreditStudy,
                     generator: torch.Generator) -> tuple[list[Episode], list]:
-    """`study.samples` responses to each of the first `study.problems` examples, as training's episodes."""
+    """`study.samples` responses (or dialogues) to each of the first `study.problems` examples, as training's episodes."""
     problems = examples[: study.problems]
     prompts = [prompter.prompt(ex) for ex in problems]
     params = SamplingParams(TEMPERATURE, TOP_P, study.max_new_tokens, tuple(task.stop))
-    outputs = engine.generate(prompts, study.samples, params, generator)
-    episodes, owners = [], []
-    for g, (ex, prompt, samples) in enumerate(zip(problems, prompts, outputs)):
-        for s, reward in zip(samples, outcome_rewards(task.score, [ex] * len(samples), samples)):
-            steps = step_token_ranges(task.response_steps(s.text), token_char_offsets(prompter.tokenizer, s.token_ids))
-            episodes.append(Episode(prompt, list(s.token_ids), s.text, reward, g, ex, steps,
-                                    s.finish_reason != "stop"))
-            owners.append(ex)
-    return episodes, owners
+    outputs = engine.generate(prompts, study.samples, params, generator, examples=problems)
+    drawn = [(g, ex, prompt, s) for g, (ex, prompt, samples) in enumerate(zip(problems, prompts, outputs))
+             for s in samples]
+    return graded_episodes(task, prompter.tokenizer, drawn), [ex for _, ex, _, _ in drawn]
 
 
-def pick(episodes: list[Episode], owners: list, per_label: int) -> tuple[list[dict], dict[str, int]]:
-    """The analysed responses (index, label, bad line, kind), up to per_label per label, and the count of every
-    first-error kind among the wrong responses. Responses are taken round-robin over the problems (the first
-    response of every problem, then the second, ...), so the analysed ones spread over many problems."""
-    kinds: dict[str, int] = {}
-    chosen, taken = [], dict.fromkeys(set(LABELS.values()), 0)
+def round_robin(episodes: list[Episode]) -> list[int]:
+    """The episodes' indices, the first response of every problem first, then the second, ...: a study that takes
+    the first few that qualify spreads over many problems."""
     rank, seen = [], {}  # per episode: its place among its group's responses
     for ep in episodes:
         rank.append(seen.get(ep.group, 0))
         seen[ep.group] = rank[-1] + 1
-    for i in sorted(range(len(episodes)), key=lambda i: (rank[i], episodes[i].group)):
+    return sorted(range(len(episodes)), key=lambda i: (rank[i], episodes[i].group))
+
+
+def pick(episodes: list[Episode], owners: list, per_label: int) -> tuple[list[dict], dict[str, int]]:
+    """The analysed responses (index, label, bad line, kind), up to per_label per label, and the count of every
+    first-error kind among the wrong responses, taken `round_robin` over the problems."""
+    kinds: dict[str, int] = {}
+    chosen, taken = [], dict.fromkeys(set(LABELS.values()), 0)
+    for i in round_robin(episodes):
         ep, ex = episodes[i], owners[i]
         if ep.reward > 0:
             continue

@@ -26,6 +26,15 @@ of the whole token sequence (response prefix + continuation).
 
 The ground truth is itself a Monte Carlo mean: with 256 rollouts its standard error is at most
 0.5 / 16 = 0.031, so small MAEs (VinePPO K = 9) include that noise floor.
+
+**Dialogues** (a custom task with tools or an environment, `--steps turns`): a response is a dialogue and its steps
+are its turns, so a state is the dialogue at the start of one of its turns (t = 0: the prompt, with the
+environment's first observation). Every continuation, for the truth and for each K, resumes the dialogue there
+through the dialogue engine, as VinePPO's do (vineppo.agents: its tokens and messages, the environment replayed or
+copied) and runs to the dialogue's end; each turn may write `--max-new-tokens`, as in training. GRPO, RLOO and
+TEMPO are as above (TEMPO's shared prefixes are shared turns). A step-ranking alternative is a next turn: a
+continuation cut at its second turn's start (the tool's or environment's answer to the first included), or a
+terminal state when the dialogue ended in that turn. The MAE is also reported per turn (`per_turn`).
 """
 
 from __future__ import annotations
@@ -42,16 +51,18 @@ import torch
 
 from vineppo.core.distributed import pick_device
 from vineppo.core.errors import UserError
-from vineppo.core.grading import Scorer, continuation_rewards, outcome_rewards
+from vineppo import agents
+from vineppo.core.grading import Scorer, continuation_rewards
 from vineppo.core.steps import step_token_ranges, token_char_offsets
-from vineppo.credit import Episode, next_round
+from vineppo.credit import next_round
 from vineppo.credit.tempo import implied_values
 from vineppo.engine import Request, SamplingParams
 from vineppo.engine.loading import LoadSpec, load
 from vineppo.models.prompts import Prompter
-from vineppo.tasks import Example, get_task
+from vineppo.tasks import Example, custom, get_task
 from vineppo.training.forward import Critic
 from vineppo.training.runs import output_folder
+from vineppo.training.trainer import graded_episodes
 
 METHODS = ("vineppo_k1", "vineppo_k3", "vineppo_k9", "ppo_critic", "grpo", "rloo", "tempo")
 K_SLICES = (("vineppo_k1", 1), ("vineppo_k3", 3), ("vineppo_k9", 9))  # drawn after the ground truth, in order
@@ -160,61 +171,80 @@ class Node:
     prompt_len: int
     example: Example  # the problem: continuations are scored against it (Task.score)
     terminal: float | None = None
+    record: Any = None  # a dialogue's Turns.record: continuations resume the dialogue at this turn start
 
     def room(self, max_new_tokens: int) -> int:
-        """New tokens a continuation may add: what the response it is a prefix of had left (as in training)."""
-        return max_new_tokens - (self.boundary - self.prompt_len)
+        """New tokens a continuation may add: what the response it is a prefix of had left (as in training; a
+        dialogue's turns each have max_new_tokens, its engine keeps the dialogue's total)."""
+        return max_new_tokens if self.record is not None else max_new_tokens - (self.boundary - self.prompt_len)
 
 
 def sample_states(engine, prompter: Prompter, task, examples: list, n_states: int, params: SamplingParams,
                   generator: torch.Generator, rng: random.Random) -> list[dict]:
-    """Up to n_states states, one per sampled response (t uniform in 0..T-1), with the response's group rewards."""
-    tokenizer = prompter.tokenizer
+    """Up to n_states states, one per sampled response (t uniform in 0..T-1; a dialogue's steps are its turns), with
+    the response's group rewards."""
     n_problems = min(len(examples), math.ceil(n_states / RESPONSES_PER_PROBLEM))
     problems = rng.sample(examples, n_problems)
     prompts = [prompter.prompt(ex) for ex in problems]
-    outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator)
+    outputs = engine.generate(prompts, RESPONSES_PER_PROBLEM, params, generator, examples=problems)
     states = []
     for g, (ex, prompt, samples) in enumerate(zip(problems, prompts, outputs)):
-        rewards = outcome_rewards(task.score, [ex] * len(samples), samples)
-        steps = [step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
-                 for s in samples]
-        chosen = [rng.randrange(len(st)) for st in steps]
-        group = [Episode(prompt, list(s.token_ids), s.text, r, g, ex, st) for s, r, st in zip(samples, rewards, steps)]
-        tempo = implied_values(group, [st[t][0] for st, t in zip(steps, chosen)])
-        for m, (s, st, t) in enumerate(zip(samples, steps, chosen)):
+        # as training's episodes: graded in one batch, cut into steps (a dialogue: its turns, its own prompt)
+        group = graded_episodes(task, prompter.tokenizer, [(g, ex, prompt, s) for s in samples])
+        rewards = [ep.reward for ep in group]
+        chosen = [rng.randrange(len(ep.steps)) for ep in group]
+        tempo = implied_values(group, [ep.steps[t][0] for ep, t in zip(group, chosen)])
+        for m, (ep, t) in enumerate(zip(group, chosen)):
+            start = ep.steps[t][0]
             # an empty last step starts at the response's end: the state is the finished response
-            finished = rewards[m] if st[t][0] == len(s.token_ids) else None
-            node = Node(prompt + list(s.token_ids), len(prompt) + st[t][0], len(prompt), ex, finished)
-            states.append({"node": node, "problem": ex.id, "t": t, "steps": len(st), "reward": rewards[m],
+            finished = rewards[m] if start == len(ep.response_ids) else None
+            node = Node(ep.prompt_ids + ep.response_ids, len(ep.prompt_ids) + start, len(ep.prompt_ids), ex, finished,
+                        ep.dialogue.record if ep.dialogue is not None else None)
+            states.append({"node": node, "problem": ex.id, "t": t, "steps": len(ep.steps), "reward": rewards[m],
                            **group_baselines(rewards, m), "tempo": tempo[m][0], "tempo_shared": tempo[m][1]})
     return states[:n_states]
 
 
 def sample_alternatives(engine, tokenizer, task, nodes: list[Node], n_alt: int, params: SamplingParams,
                         generator: torch.Generator) -> list[list[Node]]:
-    """For each state, n_alt sampled next steps (continuations cut after their first step) as new states."""
+    """For each state, n_alt sampled next steps (continuations cut after their first step, a dialogue's after its
+    first turn) as new states."""
     if not nodes:
         return []
     conts = engine.continuations(Request([n.seq for n in nodes], [[n.boundary] for n in nodes], n_alt, params,
-                                         generator, budgets=[[n.room(params.max_new_tokens)] for n in nodes]))
+                                         generator, budgets=[[n.room(params.max_new_tokens)] for n in nodes],
+                                         records=records_of(nodes)))
     out = []
     for node, (samples,) in zip(nodes, conts):
         prefix = node.seq[node.prompt_len:node.boundary]
         alts = []
         for s in samples:
-            ranges = step_token_ranges(task.response_steps(s.text), token_char_offsets(tokenizer, s.token_ids))
-            end = ranges[0][1]
+            end = first_step_end(task, tokenizer, s)
             state = node.seq[:node.boundary] + list(s.token_ids[:end])
+            record = s.dialogue.record if s.dialogue is not None else None  # it resumes at its own turns
             if end == 0:  # a token spans the first step: no state after it to value
                 continue
             if end >= len(s.token_ids):  # the first step is the whole continuation: the response ends there
                 reward, = continuation_rewards(task.score, tokenizer, prefix, [s], node.example)
-                alts.append(Node(state, len(state), node.prompt_len, node.example, terminal=reward))
+                alts.append(Node(state, len(state), node.prompt_len, node.example, reward, record))
             else:
-                alts.append(Node(state, len(state), node.prompt_len, node.example))
+                alts.append(Node(state, len(state), node.prompt_len, node.example, None, record))
         out.append(alts)
     return out
+
+
+def first_step_end(task, tokenizer, sample) -> int:
+    """The end of a continuation's first step in its tokens: a dialogue's second turn start (its first turn and the
+    answer to it), else the end of the first of `task.response_steps`."""
+    if sample.dialogue is not None:
+        starts = sample.dialogue.starts
+        return starts[1] if len(starts) > 1 else len(sample.token_ids)
+    return step_token_ranges(task.response_steps(sample.text), token_char_offsets(tokenizer, sample.token_ids))[0][1]
+
+
+def records_of(nodes: list[Node]) -> list | None:
+    """The nodes' dialogue records for Request.records (a multi-turn engine resumes each from its own), or None."""
+    return [n.record for n in nodes] if any(n.record is not None for n in nodes) else None
 
 
 def rollout_rewards(engine, tokenizer, score: Scorer, nodes: list[Node], k: int,
@@ -224,8 +254,8 @@ def rollout_rewards(engine, tokenizer, score: Scorer, nodes: list[Node], k: int,
     reward k times, at no token cost."""
     live = [i for i, n in enumerate(nodes) if n.terminal is None]
     conts = engine.continuations(Request([nodes[i].seq for i in live], [[nodes[i].boundary] for i in live], k, params,
-                                         generator, progress, [[nodes[i].room(params.max_new_tokens)] for i in live])
-                                 ) if live else []
+                                         generator, progress, [[nodes[i].room(params.max_new_tokens)] for i in live],
+                                         records=records_of([nodes[i] for i in live]))) if live else []
     out = [[n.terminal] * k if n.terminal is not None else None for n in nodes]
     tokens = [[0] * k for _ in nodes]
     for i, (samples,) in zip(live, conts):
@@ -296,12 +326,12 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
         rows.append({"problem": s["problem"], "t": s["t"], "steps": s["steps"], "reward": s["reward"],
                      "true": e["true"], **{m: e[m] for m in METHODS if m.startswith("vineppo") or m == "ppo_critic"},
                      "grpo": s["grpo"], "rloo": s["rloo"], "tempo": s["tempo"], "tempo_shared": s["tempo_shared"]})
-    truth = [r["true"] for r in rows]
-    maes = {m: None if any(r[m] is None for r in rows) else mae([r[m] for r in rows], truth) for m in METHODS}
-
     ranking, counted, excluded = _ranking(picked, ranked, alts, est, with_critic=critic_values is not None)
     compute = compute_axis(est[:len(picked)], spent[:len(picked)], est[len(picked):], [len(g) for g in alts])
-    return {"mae": maes, "ranking_accuracy": ranking, "states": len(rows), "compute": compute,
+    dialogues = any(s["node"].record is not None for s in picked)
+    return {"mae": method_maes(rows), "truth_se": truth_se(rows, gt_k),
+            **({"per_turn": per_turn(rows, gt_k)} if dialogues else {}),
+            "ranking_accuracy": ranking, "states": len(rows), "compute": compute,
             "tempo_shared_states": sum(r["tempo_shared"] for r in rows) / max(len(rows), 1),
             "ranking": {"states": len(ranked), "alternatives": sum(len(g) for g in alts),
                         "pairs": counted, "pairs_excluded_true_tie": excluded},
@@ -311,6 +341,27 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
             "timing": {"sampling_s": t1 - t0, "monte_carlo_s": t2 - t1, "continuations": total,
                        "seconds_per_state": (t2 - t1) / max(total // k, 1)},
             "rows": rows}
+
+
+def method_maes(rows: list[dict]) -> dict[str, float | None]:
+    """Each method's MAE against the rows' truth; None for a method without an estimate (no --critic)."""
+    truth = [r["true"] for r in rows]
+    return {m: None if any(r[m] is None for r in rows) else mae([r[m] for r in rows], truth) for m in METHODS}
+
+
+def truth_se(rows: list[dict], gt_k: int) -> float | None:
+    """The mean standard error of the rows' truths (binomial, sqrt(v (1 - v) / gt_k)): the MAEs' noise floor."""
+    return sum(math.sqrt(r["true"] * (1 - r["true"]) / gt_k) for r in rows) / len(rows) if rows else None
+
+
+def per_turn(rows: list[dict], gt_k: int) -> dict[str, dict]:
+    """Per turn index (t, 0 = the prompt), the states there, their mean true value, its noise and each method's MAE."""
+    out = {}
+    for t in sorted({r["t"] for r in rows}):
+        at = [r for r in rows if r["t"] == t]
+        out[str(t)] = {"states": len(at), "true_mean": sum(r["true"] for r in at) / len(at),
+                       "truth_se": truth_se(at, gt_k), "mae": method_maes(at)}
+    return out
 
 
 # ------------------------------------------------------------------------------------ the critic
@@ -381,11 +432,14 @@ class Inputs:
 
 def load_inputs(args: argparse.Namespace, out: Path, model_dir_of: Callable[[Path | None], str | None]) -> Inputs:
     """The data, the critic of --critic, and the policy named by model_dir_of(the critic's checkpoint), loaded
-    inside `out`'s folder guard (removed again if any of them fails to load)."""
+    inside `out`'s folder guard (removed again if any of them fails to load); for a task with tools or an
+    environment, the engine runs dialogues and resumes them at their turns (vineppo.agents, as VinePPO's)."""
     with output_folder(out, f"--out {out}"):
+        custom.check_reward(args)
         task = get_task(args.task, args)
-        if task.agent is not None:
-            raise UserError("the analyses sample single responses; a task with tools or an environment is not supported")
+        if task.agent is not None and not task.step_turns:
+            raise UserError("--steps: the analyses value a dialogue at its turn starts, the only places a continuation "
+                            "can resume it; leave --steps out (or --steps turns) with --tools or --env")
         examples = task.load(args.split, args.data, args.data_seed)
         if not examples:
             raise UserError(f"task {args.task!r} split {args.split!r}: the data set is empty")
@@ -396,4 +450,6 @@ def load_inputs(args: argparse.Namespace, out: Path, model_dir_of: Callable[[Pat
             raise UserError("--model is required (or --critic RUN_DIR, whose latest policy is then used)")
         got = load(LoadSpec(model_dir, task, args.prompt_format, args.data, args.data_seed, str(device),
                             engine=args.engine, token_budget=args.token_budget))
-    return Inputs(task, examples, critic, model_dir, got.prompter, got.engine)
+        timeout = args.reward_timeout_s if getattr(args, "reward_timeout_s", None) is not None else 60.0
+        engine = agents.for_task(got.engine, task, got.prompter, timeout, resume=True)
+    return Inputs(task, examples, critic, model_dir, got.prompter, engine)

@@ -18,7 +18,7 @@ from vineppo.core.errors import UserError
 from vineppo.core.tracking import console as err_console
 from vineppo.core.tracking import progress_bar
 from vineppo.models.prompts import HELP
-from vineppo.tasks import DATA_HELP
+from vineppo.tasks import DATA_HELP, custom
 
 LABELS = {"vineppo_k1": "VinePPO K=1", "vineppo_k3": "VinePPO K=3", "vineppo_k9": "VinePPO K=9",
           "ppo_critic": "PPO critic", "grpo": "GRPO (group mean)", "rloo": "RLOO (leave-one-out mean)",
@@ -37,9 +37,13 @@ def print_table(result: dict, console) -> None:
         a, r = result["mae"][m], result["ranking_accuracy"][m]
         table.add_row(LABELS[m], "n/a" if a is None else f"{a:.4f}", "n/a" if r is None else f"{r:.1%}")
     console.print(table)
-    console.print(f"ranking: {rk['states']} states, {rk['alternatives']} alternative steps, {rk['pairs']} pairs "
+    step = "next turns" if "per_turn" in result else "steps"
+    console.print(f"ranking: {rk['states']} states, {rk['alternatives']} alternative {step}, {rk['pairs']} pairs "
                   f"counted; {rk['pairs_excluded_true_tie']} pairs with exactly equal true values excluded; a "
                   f"predicted tie counts as wrong.")
+    if "per_turn" in result:
+        print_turns(result, console)
+    console.print(f"the truth's mean standard error: {result['truth_se']:.4f} (a noise floor under every MAE)")
     if result["mae"]["ppo_critic"] is None:
         console.print("PPO critic: not evaluated (no --critic RUN_DIR given).")
     console.print(f"TEMPO: {result['tempo_shared_states']:.0%} of the states are shared by two or more of their group's "
@@ -50,6 +54,18 @@ def print_table(result: dict, console) -> None:
     for r in result["compute"]:
         table.add_row(compute_label(r), f"{r['mae']:.4f}", "n/a" if r["ranking_accuracy"] is None else
                       f"{r['ranking_accuracy']:.1%}", f"{r['continuations_per_state']:.2f}", f"{r['tokens_per_state']:.0f}")
+    console.print(table)
+
+
+def print_turns(result: dict, console) -> None:
+    """A dialogue task's MAE per turn: the states at each turn start (turn 1: the prompt)."""
+    shown = [m for m in METHODS if result["mae"][m] is not None]
+    table = Table(title="MAE per turn (the states at the start of each turn of the policy's dialogues)")
+    for col in ("turn", "states", "mean true value", "truth's SE", *(LABELS[m] for m in shown)):
+        table.add_column(col, justify="left" if col == "turn" else "right")
+    for t, row in result["per_turn"].items():
+        table.add_row(str(int(t) + 1), str(row["states"]), f"{row['true_mean']:.3f}", f"{row['truth_se']:.3f}",
+                      *(f"{row['mae'][m]:.4f}" for m in shown))
     console.print(table)
 
 
@@ -115,7 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="policy folder, .gguf file or hub id (default with --critic: that run's latest checkpoint)")
     p.add_argument("--prompt-format", default=None, help=HELP)
-    p.add_argument("--task", default="arith", help="task name (default: arith)")
+    p.add_argument("--task", default="arith", help="task name (default: arith); a custom task with --tools or --env "
+                   "is valued at its dialogues' turn starts")
     p.add_argument("--critic", default=None, metavar="RUN_DIR", help="a `vineppo train --algo ppo` run folder")
     p.add_argument("--states", type=int, default=64, help="states whose value is estimated (default 64)")
     p.add_argument("--gt-k", type=int, default=256, help="rollouts per state for the ground truth (default 256)")
@@ -124,7 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alternatives", type=int, default=5, help="alternative next steps per ranking state (default 5)")
     p.add_argument("--split", default="test")
     p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="response / continuation length cap")
+    p.add_argument("--max-new-tokens", type=int, default=1024,
+                   help="response / continuation length cap (a dialogue: of each turn)")
     p.add_argument("--token-budget", type=int, default=65536, help="engine: max rows x tokens in one decode batch")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--engine", default="native", help=f"rollout backend: {' or '.join(ENGINES)} (default native)")
@@ -133,6 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "draw (default 0, as train's)")
     p.add_argument("--out", default=None, help="folder for values.json and values.png (default: runs/values-<time>)")
     p.add_argument("--json", action="store_true", help="print the MAE / ranking summary as one JSON object")
+    custom.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     err_console.print(f"{tm['continuations']} continuations in {tm['monte_carlo_s']:.1f}s ({tm['seconds_per_state']:.2f}s "
                       f"per state of {args.gt_k + EXTRA_K} rollouts); wrote {out / 'values.json'}, {out / 'values.png'}")
     if args.json:
-        print(json.dumps({k: result[k] for k in ("mae", "ranking_accuracy", "states", "compute")}))
+        print(json.dumps({k: result[k] for k in ("mae", "per_turn", "ranking_accuracy", "states", "compute")
+                          if k in result}))
     return 0
 

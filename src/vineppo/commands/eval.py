@@ -61,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
     configs.check_flags(vars(args), RULES)
     check_format(args.prompt_format or "auto")
     check_engine(args.engine)
-    if args.task == "custom" and not args.reward and not args.env:  # before the model loads, as train's config does
-        raise UserError("task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION), "
-                        "or an environment that gives the reward (--env)")
+    custom.check_reward(args)  # before the model loads, as train's config does
     task = get_task(args.task, args)
     examples = task.load(args.split, args.data, args.data_seed)[: args.limit]
     if not examples:

@@ -277,6 +277,14 @@ def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None
     group.add_argument("--tool-markup", default=None, help=f"the plain format's markup (default: {MARKUP})")
 
 
+def check_reward(args: argparse.Namespace) -> None:
+    """A command's flags, before any model loads: task custom needs a reward function or an environment that gives the
+    reward (`add_arguments`' --reward, --env)."""
+    if args.task == "custom" and not getattr(args, "reward", None) and not getattr(args, "env", None):
+        raise UserError("task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION), "
+                        "or an environment that gives the reward (--env)")
+
+
 def turns(value: Any) -> bool:
     """True for a list of chat messages: dicts with a role and text content."""
     return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
