@@ -607,3 +607,11 @@ def test_analyze_credit_runs_on_a_dialogue_task_and_refuses_steps_inside_turns(t
         with pytest.raises(SystemExit) as done:
             cli.main([command, "--model", str(tiny_sft), *flags, "--steps", "lines", "--out", str(tmp_path / "x")])
         assert done.value.code != 0 and "value a dialogue at its turn starts" in capsys.readouterr().err
+
+
+def test_vinepo_on_a_dialogue_task_refuses_steps_inside_a_turn():
+    base = {"task": "custom", "model": "m", "data": "d.jsonl", "env": "game.py:Game"}
+    with pytest.raises(UserError, match="--steps: VinePPO continues a dialogue only from the start of a turn"):
+        configs.resolve({}, {**base, "algo": "vineppo", "steps": "lines"})
+    assert configs.resolve({}, {**base, "algo": "vineppo", "steps": "turns"}).steps == "turns"
+    assert configs.resolve({}, {**base, "algo": "grpo", "steps": "lines"}).steps == "lines"  # no continuations

@@ -261,6 +261,9 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
     ("reward", lambda c: c.task != "custom" or bool(c.reward) or c.env is not None,
      lambda c: "task custom needs a reward function: --reward FILE.py:FUNCTION (or package.module:FUNCTION), or an "
                "environment that gives the reward (--env)"),
+    ("steps", lambda c: not (c.tools or c.env) or c.estimator != "vine" or c.steps in (None, "turns"),
+     lambda c: "VinePPO continues a dialogue only from the start of a turn (where its environment and tools can be "
+               "replayed): with tools or an environment its steps are the turns; drop --steps or use --steps turns"),
     ("algo", lambda c: not (c.tools or c.env) or ALGOS[c.algo].update == "ppo",
      lambda c: f"{c.algo} trains on whole responses; with tools or an environment use a PPO-family algorithm "
                f"({', '.join(a for a, v in ALGOS.items() if v.update == 'ppo')})"),
