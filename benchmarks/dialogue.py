@@ -7,8 +7,9 @@ Workload: `--prompts` arith problems in the model's prompt format (vineppo.model
 each (T 0.6, top-p 0.9) with an environment that answers every turn with the same short observation ("Go on.",
 a user turn of the chat template) and never ends a dialogue, so each runs `--turns` turns of at most
 `--max-new-tokens` tokens (a turn ends at a line break, the environment's `stop`, or at its end-of-turn token; a
-turn cut off at its limit ends its dialogue). It is run two ways, alternating, `--repeats`
-times, and each reports the policy's generated tokens per second (median over the repeats):
+turn cut off at its limit ends its dialogue). It is run two ways, alternating, `--repeats` times after one
+warm-up run of both (not recorded), and each reports the policy's generated tokens per second (median over the
+repeats):
 
 - dialogues: `AgentEngine.generate` (vineppo.agents): a round per turn, each round one engine job over the
   dialogues whose turn is due, the environment's answers inserted between rounds;
@@ -158,13 +159,15 @@ def main(argv=None):
     torch.manual_seed(0)
     st = setup(args)
     rounds, replays = [], []
-    for rep in range(args.repeats):
+    for rep in range(args.repeats + 1):  # the first is a warm-up, not recorded
         agent, single, flat = dialogues_once(st, rep)
-        rounds.append((agent, single))
-        replays.append(replays_once(st, flat, rep))
-        print(f"repeat {rep + 1}: dialogues {agent['tokens'] / agent['seconds']:.1f} tok/s, single "
-              f"{single['tokens'] / single['seconds']:.1f}; replays {replays[-1][0]['tokens'] / replays[-1][0]['seconds']:.1f}"
-              f", single {replays[-1][1]['tokens'] / replays[-1][1]['seconds']:.1f}", file=sys.stderr)
+        replay = replays_once(st, flat, rep)
+        if rep:
+            rounds.append((agent, single))
+            replays.append(replay)
+        rate = lambda r: r["tokens"] / r["seconds"]  # noqa: E731
+        print(f"{'repeat ' + str(rep) if rep else 'warm-up'}: dialogues {rate(agent):.1f} tok/s, single "
+              f"{rate(single):.1f}; replays {rate(replay[0]):.1f}, single {rate(replay[1]):.1f}", file=sys.stderr)
     res = {"command": "python benchmarks/dialogue.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "model": args.model, "threads": threads, "prompts": args.prompts, "samples": args.samples,
            "turns": args.turns, "max_new_tokens": args.max_new_tokens, "mc_k": args.mc_k, "repeats": args.repeats,

@@ -548,6 +548,7 @@ def test_a_call_whose_close_tag_ends_inside_a_merged_token_runs_the_tool():
     assert s.dialogue.messages[0]["content"] == "<stock>mugs</stock><"  # the merged token, kept as the policy wrote it
     first = s.dialogue.starts[1]  # the first turn's tokens end with the merged one, the policy's
     assert s.token_ids[:first].count(5) == 1 and s.dialogue.mask[s.token_ids.index(5)] == 1
+    assert engine._call_text("<stock>mugs</stock><", None) == "<stock>mugs</stock>"  # a replay runs that call again
 
 
 def test_a_call_left_open_is_counted_and_the_model_is_told():

@@ -206,13 +206,15 @@ class AgentEngine:
     def _call_text(self, text: str, token_ids: list[int] | None) -> str | None:
         """The turn's text up to the CLOSE of the call it ends with, or None: a turn ends with a call when its text
         does (after white space), or when its last token completed CLOSE and holds more text (a tokenizer that merges
-        `><`: the turn stops on `</calc><`); what follows CLOSE in that token stays the policy's and is not read."""
+        `><`: the turn stops on `</calc><`); what follows CLOSE in that token stays the policy's and is not read.
+        Without `token_ids` (an earlier turn replayed) a turn that holds CLOSE was a call: a turn stops at the token
+        that completes it."""
         close = self.spec.markup.call_close
         end = text.rfind(close)
         if end < 0:
             return None
         end += len(close)
-        if not text[end:].strip():
+        if not text[end:].strip() or token_ids is None:
             return text[:end]
         if token_ids:  # the close ends inside the last token when that token raised the count of CLOSEs
             before = self.tokenizer.decode(list(token_ids[:-1]), skip_special_tokens=True)
