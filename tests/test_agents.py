@@ -2,6 +2,7 @@
 out of the update, VinePPO's states sit at turn boundaries and its continuations replay the dialogue; every fault is
 one line or a message back to the model, counted. A scripted engine writes the policy's turns."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import torch
 from vineppo import agents
 from vineppo.agents import AgentEngine, for_task
 from vineppo.core import config as configs
-from vineppo.core.errors import RewardError, UserError
+from vineppo.core.errors import RewardError, RolloutFault, UserError
 from vineppo.credit import CreditContext, get_estimator
 from vineppo.engine import Request, Sample, SamplingParams
 from vineppo.tasks import Example
@@ -43,24 +44,46 @@ class CharTokenizer:
 TOK = CharTokenizer()
 
 
-class Script:
-    """A rollout engine whose policy writes `turn(text so far)` and stops at a stop string or EOS."""
+class MergingTokenizer(CharTokenizer):
+    """CharTokenizer, but "><" is one token (id 5), as SmolLM2's tokenizer merges it."""
 
-    def __init__(self, turn, call_more=True):
-        self.turn, self.call_more, self.tokenizer, self.model, self.calls = turn, call_more, TOK, None, 0
+    def __call__(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            if text.startswith("><", i):
+                ids, i = ids + [5], i + 2
+            else:
+                ids, i = ids + [ord(text[i]) + 10], i + 1
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("><" if i == 5 else chr(i - 10) for i in ids if i != EOS and (i >= 10 or i == 5))
+
+
+class Script:
+    """A rollout engine whose policy writes `turn(text so far)`, token by token, and stops after the token that
+    completes a stop string, at its token budget, or at the text's end with EOS."""
+
+    def __init__(self, turn, call_more=True, tokenizer=TOK):
+        self.turn, self.call_more, self.tokenizer, self.model, self.calls = turn, call_more, tokenizer, None, 0
         self.logprobs_are_the_policys = False
 
     def continuations(self, req: Request):
         self.calls += 1
-        out = []
+        tok, out = self.tokenizer, []
         for i, (seq, (b,)) in enumerate(zip(req.sequences, req.boundaries)):
-            text = self.turn(TOK.decode(seq[:b]))
-            cuts = [text.find(s) + len(s) for s in req.params.stop if s in text]
-            text = text[: min(cuts)] if cuts else text  # as a real engine: the turn ends at a stop string
-            ended = "length" if len(text) > req.budgets[i][0] else "stop"
-            ids = TOK(text[: req.budgets[i][0]])["input_ids"] + ([EOS] if ended == "stop" and not any(
-                text.endswith(s) for s in req.params.stop) else [])
-            s = Sample(ids, TOK.decode(ids), [-0.5] * len(ids), ended)
+            ids, ended = [], None
+            for t in tok(self.turn(tok.decode(seq[:b])))["input_ids"]:
+                if len(ids) == req.budgets[i][0]:
+                    ended = "length"
+                    break
+                ids.append(t)
+                if any(st in tok.decode(ids) for st in req.params.stop):
+                    ended = "stop"  # as a real engine: the turn ends with the token that completes a stop string
+                    break
+            if ended is None:
+                ids, ended = ids + [EOS], "stop"
+            s = Sample(ids, tok.decode(ids), [-0.5] * len(ids), ended)
             if self.call_more and req.more is not None:
                 req.more(i, 0, [s])
             out.append([[s]])
@@ -78,8 +101,11 @@ class PlainPrompter:
 
     tool_format = "plain"
 
-    def prompt(self, ex, extra=""):
-        return TOK(ex.problem + (f"\n{extra}" if extra else ""))["input_ids"]
+    def __init__(self, tokenizer=TOK):
+        self.tokenizer = tokenizer
+
+    def prompt(self, ex, extra="", join=None):
+        return self.tokenizer(ex.problem + (("\n" if join is None else join) + extra if extra else ""))["input_ids"]
 
     def next_turn(self, messages, ended_with):
         return f"\n{messages[-1]['content']}\n"
@@ -119,9 +145,11 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=80)
 EX = Example("row-1", "Q:", "", "")
 
 
-def _engine(turn, tools=(add,), env=None, max_turns=4, timeout=5.0, call_more=True, total=0):
-    spec = AgentSpec(load_tools(list(tools)), env, max_turns, total, "plain", Markup())
-    return AgentEngine(Script(turn, call_more), spec, PlainPrompter(), lambda ex: {"secret": 7}, timeout)
+def _engine(turn, tools=(add,), env=None, max_turns=4, timeout=5.0, call_more=True, total=0, inserted=0,
+            markup=Markup(), tokenizer=TOK):
+    spec = AgentSpec(load_tools(list(tools)), env, max_turns, total, "plain", markup, inserted)
+    return AgentEngine(Script(turn, call_more, tokenizer), spec, PlainPrompter(tokenizer), lambda ex: {"secret": 7},
+                       timeout)
 
 
 def _calculator(text: str) -> str:
@@ -165,9 +193,12 @@ def test_max_turns_and_the_token_cap_cut_a_dialogue_off():
     engine = _engine(lambda text: CALL, max_turns=3)  # calls for ever
     (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
     assert s.finish_reason == "length" and len(s.dialogue.starts) == 3 and agents.counts([s])["agent/cut_off"] == 1
-    engine = _engine(lambda text: CALL, total=100)
+    engine = _engine(lambda text: CALL, total=100)  # the policy's tokens: the tool's results are not counted
     (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
-    assert s.finish_reason == "length" and len(s.token_ids) == 100
+    assert s.finish_reason == "length" and sum(s.dialogue.mask) == 100 < len(s.token_ids)
+    engine = _engine(lambda text: CALL, total=1000, inserted=40)  # the inserted tokens' own cap
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    assert s.finish_reason == "length" and len(s.dialogue.mask) - sum(s.dialogue.mask) == 40
 
 
 class Guess:
@@ -391,7 +422,7 @@ def test_dialogues_train_end_to_end_from_the_command_line(tiny_sft, tmp_path, ca
                   "--eval-data", str(tmp_path / "train.jsonl"), "--algo", algo, "--iterations", "2", "--max-turns",
                   "2", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "64", "--mc-k",
                   "2", "--eval-problems", "4", "--eval-samples", "2", "--out", str(tmp_path / "run"), "--json",
-                  *agent])
+                  "--save-weights-only", "true", *agent])
     assert done.value.code == 0, capsys.readouterr().err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     it = rows[1]
@@ -400,6 +431,14 @@ def test_dialogues_train_end_to_end_from_the_command_line(tiny_sft, tmp_path, ca
         assert it["agent/turns"] == 32 and it["train/trained_tokens"] < it["train/response_tokens"] * 16
     if algo == "vineppo":  # a state at each turn start, continued for real
         assert it["mc/agent/turns"] > 0 and it["mc/states"] >= 16
+    table = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert all(isinstance(r["completion"], list) and r["completion"][0]["role"] == "assistant" for r in table)
+    # --save-weights-only: the weights and tokenizer, no optimiser state; eval reads it, a resume refuses it
+    ckpt = tmp_path / "run" / "checkpoints" / "iter-000002"
+    assert (ckpt / "model.safetensors").is_file() and not (ckpt / "optimizer.pt").exists()
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", "--resume", str(tmp_path / "run"), "--iterations", "3"])
+    assert done.value.code == 2 and "holds the weights alone" in capsys.readouterr().err
 
 
 def test_tools_load_from_a_file_by_name_and_a_list_setting_cut_at_commas_keeps_the_file(tmp_path):
@@ -615,3 +654,190 @@ def test_vinepo_on_a_dialogue_task_refuses_steps_inside_a_turn():
         configs.resolve({}, {**base, "algo": "vineppo", "steps": "lines"})
     assert configs.resolve({}, {**base, "algo": "vineppo", "steps": "turns"}).steps == "turns"
     assert configs.resolve({}, {**base, "algo": "grpo", "steps": "lines"}).steps == "lines"  # no continuations
+
+
+# ------------------------------------------------------------------ the traps a new user met
+
+
+STOCK = Markup("<stock>", "</stock>", "<result>", "</result>")
+
+
+def lookup(item: str) -> int:
+    """The units of an item in stock.
+
+    Args:
+        item: the item's name
+    """
+    return {"mugs": 4, "cups": 3}[item]
+
+
+def _stock_turn(text: str) -> str:
+    """Writes a call and the start of the result tag it saw in the demo (`</stock><result>`), then the sum."""
+    asked = text.count("<result>")
+    return ["<stock>mugs</stock><result>", "<stock>cups</stock><result>", "The sum is 7."][asked]
+
+
+def test_a_call_whose_close_tag_ends_inside_a_merged_token_runs_the_tool():
+    """A tokenizer that merges `><` ends the turn on the token `><` (text `</stock><`): the call is found up to its
+    close and runs; the `<` stays the policy's. Before, a turn was a call only if its text ended with the close."""
+    tok = MergingTokenizer()
+    engine = _engine(_stock_turn, tools=(lookup,), markup=STOCK, tokenizer=tok)
+    (s,), = engine.generate([tok("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    counts = agents.counts([s])
+    assert counts["agent/tool_calls"] == 2 and "agent/bad_calls" not in counts and s.finish_reason == "stop"
+    assert [m["content"] for m in s.dialogue.messages if m["role"] == "tool"] == ["4", "3"]
+    assert s.dialogue.messages[0]["content"] == "<stock>mugs</stock><"  # the merged token, kept as the policy wrote it
+    first = s.dialogue.starts[1]  # the first turn's tokens end with the merged one, the policy's
+    assert s.token_ids[:first].count(5) == 1 and s.dialogue.mask[s.token_ids.index(5)] == 1
+    assert engine._call_text("<stock>mugs</stock><", None) == "<stock>mugs</stock>"  # a replay runs that call again
+
+
+def test_a_call_left_open_is_counted_and_the_model_is_told():
+    def turn(text):
+        return "<stock>mugs" if "<result>" not in text else "Sorry."
+
+    engine = _engine(turn, tools=(lookup,), markup=STOCK)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, PARAMS, examples=[EX])
+    assert agents.counts([s])["agent/bad_calls"] == 1 and "agent/tool_calls" not in agents.counts([s])
+    told = [m["content"] for m in s.dialogue.messages if m["role"] == "tool"]
+    assert len(told) == 1 and "not closed" in told[0] and "</stock>" in told[0]
+    assert s.text.endswith("Sorry.") and len(s.dialogue.starts) == 2
+
+
+class Chatty:
+    """A two-turn environment whose observation is longer than the turns: it used to spend the default cap."""
+
+    deterministic = True
+
+    def reset(self, row):
+        self.turns = 0
+        return ""
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns == 2:
+            return "", True, 1.0
+        return "That is a fine first move; now tell me the second one, please.", False
+
+
+def test_a_two_turn_environment_with_a_short_turn_limit_reaches_its_second_turn_under_the_default_cap():
+    """--max-new-tokens 12 --max-turns 2: the default cap counts the policy's 24 tokens, not the environment's 63;
+    the observation has its own cap, from the model's context."""
+    engine = _engine(lambda text: "move.", tools=(), env=Chatty, max_turns=2)
+    (s,), = engine.generate([TOK("Q:")["input_ids"]], 1, dataclasses.replace(PARAMS, max_new_tokens=12),
+                            examples=[EX])
+    assert len(s.dialogue.starts) == 2 and s.finish_reason == "stop" and s.dialogue.reward == 1.0
+    assert "agent/cut_off" not in agents.counts([s])
+
+
+def test_dialogues_mostly_cut_off_by_a_token_cap_say_so_once_with_the_flag(capsys):
+    engine = _engine(lambda text: "x" * 30, tools=(), env=Chatty, max_turns=2)
+    for _ in range(2):
+        engine.generate([TOK("Q:")["input_ids"]] * 3, 1, dataclasses.replace(PARAMS, max_new_tokens=12),
+                        examples=[EX] * 3)
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "3 of 3 dialogues were cut off" in err and "--max-new-tokens" in err
+
+
+def test_an_environment_that_raises_keeps_the_dialogues_finished_before_it():
+    class Flaky(Guess):
+        def step(self, text):
+            if self.secret == 0 and self.tries:  # row-2's second move, in the round where row-1's games end
+                raise KeyError("board")
+            return super().step(text)
+
+    engine = AgentEngine(Script(_guesser), AgentSpec({}, Flaky), PlainPrompter(),
+                         lambda ex: {"secret": 0 if ex.id == "row-2" else 6}, 5.0)
+    with pytest.raises(RolloutFault, match="row-2: the environment's step raised KeyError") as fault:
+        engine.generate([TOK("Q:")["input_ids"]] * 2, 2, PARAMS, examples=[EX, Example("row-2", "Q:", "", "")])
+    assert [len(per) for per in fault.value.finished] == [2, 0]  # row-1's games ended in that round
+    assert all(s.dialogue.reward == 1.0 for s in fault.value.finished[0])
+
+
+# ------------------------------------------------------------------ TRL's environment_factory classes
+
+
+class IncrementEnv:
+    """As TRL 1.16's docs write an environment for `environment_factory`: reset(**kwargs), tools as methods."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        return f" Reach {kwargs['target']}."
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+def reached_target(environments, target, **kwargs):
+    """A reward function as TRL passes them the environments: 1 when the counter is at the row's target."""
+    return [float(env.counter == t) for env, t in zip(environments, target)]
+
+
+def _counter(text: str) -> str:
+    said = text.count("<tool_response>")
+    return ['<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>',
+            '<tool_call>{"name": "increment", "arguments": {"step": 1}}</tool_call>', "Done."][min(said, 2)]
+
+
+def _trl_task(env, reward=None, **settings):
+    from vineppo.tasks.custom import Settings, make_task
+
+    rows = [{"prompt": "Count.", "target": 3}, {"prompt": "Count.", "target": 2}]
+    objects = {"env": env, "data": rows} | ({"reward": [reward]} if reward else {})
+    task = make_task(Settings(max_turns=4, **settings), objects)
+    return task, task.load("test", "python:data")
+
+
+def test_a_trl_environment_class_runs_unchanged():
+    """Its public methods are the tools, called on each dialogue's own instance; reset(**row)'s text ends the prompt
+    as it is; reward functions receive `environments`. Before: refused (no step, reset(row), `environments`)."""
+    from vineppo.core.grading import outcome_rewards
+
+    task, examples = _trl_task(IncrementEnv, reached_target)
+    assert list(task.agent.tools) == ["increment"] and task.agent.tools["increment"].method
+    engine = AgentEngine(Script(_counter), task.agent, PlainPrompter(), task.row, 5.0)
+    samples = [per[0] for per in engine.generate([TOK("Count.")["input_ids"]] * 2, 1, PARAMS, examples=examples)]
+    assert TOK.decode(samples[0].dialogue.prompt_ids) == "Count. Reach 3."  # TRL appends reset's text as it is
+    assert [m["content"] for m in samples[0].dialogue.messages if m["role"] == "tool"] == ["2", "3"]
+    assert samples[0].dialogue.env is not samples[1].dialogue.env and samples[0].dialogue.env.counter == 3
+    assert outcome_rewards(task.score, examples, samples) == [1.0, 0.0]  # the second row's target was 2
+
+
+def test_a_trl_environments_get_reward_is_a_reward_of_weight_one_and_vineppo_replays_its_calls():
+    class Scored(IncrementEnv):
+        deterministic = True  # VinePPO rebuilds it from its row and replays the calls of the earlier turns
+
+        def get_reward(self) -> float:
+            return float(self.counter)
+
+    from vineppo.core.grading import outcome_rewards
+
+    task, examples = _trl_task(Scored)
+    assert [name for name, _ in task.data.functions()] == ["Scored"]
+    engine = for_task(Script(_counter), task, PlainPrompter(), 5.0, resume=True)
+    (s,), = engine.generate([TOK("Count.")["input_ids"]], 1, PARAMS, examples=examples[:1])
+    assert outcome_rewards(task.score, examples[:1], [s]) == [3.0]
+    prompt = s.dialogue.prompt_ids
+    (cont,), = engine.continuations(Request([prompt + s.token_ids], [[len(prompt) + s.dialogue.starts[2]]], 1, PARAMS,
+                                            records=[s.dialogue.record]))
+    assert cont[0].dialogue.env.counter == 3 and cont[0].text == "Done."  # the two calls replayed, then the last turn
+    with pytest.raises(UserError, match="has no get_reward"):
+        _trl_task(IncrementEnv)  # no reward at all: one line before any model loads
+
+
+def test_a_misspelled_environment_class_names_the_classes_the_file_defines(tmp_path):
+    (tmp_path / "game.py").write_text("def helper():\n    pass\n\n\nclass Game:\n    deterministic = True\n\n"
+                                      "    def reset(self, row):\n        return ''\n\n    def step(self, text):\n"
+                                      "        return '', True\n")
+    with pytest.raises(UserError, match=r"has no class 'Gmae' \(it defines Game\)"):
+        load_env(f"{tmp_path / 'game.py'}:Gmae")

@@ -38,6 +38,8 @@ SMOKE = {
     "sampling.py": (["--rows", "4", "--vocab", "300", "--repeats", "1"], ["rows", "passes_T1.0", "versions"]),
     "dtype.py": (["--iterations", "1", "--rounds", "1", "--", "--config", "arith-tiny", *TRAIN],
                  ["float32", "bfloat16", "speedup_bf16_median_iteration"]),
+    "dialogue.py": (["--prompts", "2", "--samples", "2", "--turns", "2", "--max-new-tokens", "8", "--repeats", "1"],
+                    ["dialogues", "replays", "versions", "command"]),
 }
 LIBRARIES = {"common.py", "shapes.py"}  # imported by the scripts, not run
 

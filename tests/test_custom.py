@@ -742,3 +742,58 @@ def test_help_on_the_python_api_shows_its_real_signature():
     assert list(inspect.signature(vineppo.train).parameters) == ["config", "data", "eval_data", "reward", "resume",
                                                                  "tools"]
     assert list(inspect.signature(vineppo.evaluate).parameters) == ["config", "eval_data", "reward", "tools"]
+
+
+GAME = '''
+class Game:
+    deterministic = True
+
+    def reset(self, row):
+        self.secret = row["secret"]
+        return "I think of a number from 1 to 8."
+
+    def step(self, text):
+        return "", True, float(str(self.secret) in text)
+'''
+
+
+def test_inspect_data_shows_the_environments_first_observation_and_that_it_gives_the_reward(tmp_path, capsys):
+    """Before, the prompts were shown without reset's text and the report said 'no reward function'."""
+    data = _write(tmp_path / "games.jsonl", '{"prompt": "Let us play.", "secret": 3}\n')
+    game = _write(tmp_path / "game.py", GAME)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["inspect-data", "--task", "custom", "--data", data, "--env", f"{game}:Game", "--json"])
+    assert done.value.code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == ["Let us play.\nI think of a number from 1 to 8."]
+    assert report["not_graded"].startswith("the environment gives the reward")
+
+
+def test_a_demo_of_worked_dialogues_goes_before_every_prompt(tmp_path):
+    demo = [{"role": "user", "content": "Stock of mugs?"}, {"role": "assistant", "content": "<stock>mugs</stock>"},
+            {"role": "tool", "content": "<result>4</result>"}, {"role": "assistant", "content": "4 mugs."}]
+    path = _write(tmp_path / "demo.json", json.dumps(demo))
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "Stock of cups?", "answer": 3}\n')
+    task = make_task(Settings(demo=path, reward=(f"{_write(tmp_path / 'r.py', TRL_REWARDS)}:async_reward",)))
+    (ex,) = task.load("test", data)
+    assert task.chat_turns(ex) == demo + [{"role": "user", "content": "Stock of cups?"}]
+    assert task.auto_format(None) == "chat" and ex.answer == "3"  # the answer column, as eval records it
+    assert task.data.rows[ex.id].prompt == "Stock of cups?"  # the reward functions' prompts hold no demo
+    system = make_task(Settings(demo=path, reward=task.settings.reward))
+    (ex,) = system.load("test", _write(tmp_path / "s.jsonl", json.dumps(
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Cups?"}]}) + "\n"))
+    assert [m["role"] for m in system.chat_turns(ex)] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    jsonl = _write(tmp_path / "demo.jsonl", "".join(json.dumps(m) + "\n" for m in demo))
+    assert make_task(Settings(demo=jsonl)).demo == tuple(demo)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[{"role": "user", "content": "Q"}]', "ending with the assistant's answer"),
+    ('[{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]', r"demo.json\[0\]: a demo message"),
+    ('{"role": "user"}', "expected a JSON array of chat messages"),
+])
+def test_a_bad_demo_is_one_line_naming_the_file(tmp_path, text, match):
+    with pytest.raises(UserError, match=match):
+        make_task(Settings(demo=_write(tmp_path / "demo.json", text)))
+    with pytest.raises(UserError, match="is a setting of --task custom"):
+        configs.resolve({}, {"demo": "demo.json"})

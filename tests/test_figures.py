@@ -227,6 +227,28 @@ def _fused(r: dict) -> str:
             f"{x['512_T0.6_p0.9']:.2f}×")
 
 
+DIALOGUE_BENCH = "results/benchmarks/dialogue/cpu.json"
+
+
+def _span(values: list, fmt: str = "{}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def _dialogue_row(key: str) -> Callable[[dict], str]:
+    """A row of docs/performance.md's dialogue table: the workload, both sides' tokens/s, their ratio per repeat."""
+    def render(r: dict) -> str:
+        d = r[key]
+        runs = [x["dialogue"] for x in d["runs"]]
+        what = (f"dialogues ({runs[0]['dialogues']}, {_span([x['turns'] for x in runs])} turns, "
+                f"{_span([x['tokens'] for x in runs])} policy tokens a repeat)" if key == "dialogues" else
+                f"replays ({_span([x['continuations'] for x in runs])} continuations, "
+                f"{_span([x['tokens'] for x in runs])} policy tokens a repeat)")
+        return (f"| {what} | {d['dialogue_tokens_per_s']:.1f} tok/s | {d['single_tokens_per_s']:.1f} tok/s | "
+                f"**{d['ratio']:.2f}×** ({_span(d['ratios'], '{:.2f}')}) |")
+    return render
+
+
 EXAMPLES = "results/examples/results.json"
 
 
@@ -252,6 +274,14 @@ def _example_row(example: str, algo: str, fmt: str) -> Callable[[dict], str]:
 
 AGENTS = ("results/agents/release-calculator-no-demo.jsonl", "results/agents/release-calculator.jsonl",
           "results/agents/release-guess-number-rules-only.jsonl", "results/agents/release-guess-number.jsonl")
+DEMO = ("results/agents/release-calculator-questions.jsonl", "results/agents/release-calculator-demo.jsonl")
+
+
+def _calls(rows: list[dict]) -> str:
+    """The replies of a calculator evaluation that call the tool, and those that copy the worked example's numbers."""
+    replies = _replies(rows)
+    return (f"{sum('<calc>' in t for t in replies)} of {len(replies)} replies call the tool, "
+            f"{sum('<calc>12 * 34' in t for t in replies)} of them with the demo's numbers")
 
 
 def _replies(rows: list[dict]) -> list[str]:
@@ -505,6 +535,25 @@ FIGURES = [
     *(Figure("results/agents/README.md", text, AGENTS[i:i + 1], lambda rows: _release_row(rows, tool=False))
       for i, text in ((2, "| 0.000 | 0.000 | 0.000 | — | 256 of 256 samples |"),
                       (3, "| 0.336 | 0.609 | 0.391 | — | 170 of 256 samples |"))),
+    Figure("results/agents/README.md", "| 0.858 | 0.983 | 0.983 | 275 of 300 | 1 of 240 samples |", DEMO[1:],
+           _release_row),
+    Figure("results/agents/README.md", "give the same 300 replies as the first row, text for text", DEMO[:1] + AGENTS[:1],
+           lambda again, first: f"give the same {len(_replies(first))} replies as the first row, text for text"
+           if _replies(again) == _replies(first) else "give other replies"),
+    Figure("results/agents/README.md", "275 of 300 replies call the tool, 0 of them with the demo's numbers", DEMO[1:],
+           _calls),
+    Figure("examples/calculator/README.md", "calls the tool in 275 of 300 replies, never with the demo's numbers, and "
+           "pass@1 is 0.858 (pass@4 0.983, greedy 0.983), against 0.000", DEMO[1:] + DEMO[:1],
+           lambda demo, alone: _calls(demo).replace(" replies call the tool, 0 of them with", " replies, never with")
+           .join(["calls the tool in ", ""]) + _scores(demo, ", and pass@1 is {pass1} (pass@4 {pass4}, greedy {greedy})")
+           + _scores(alone, ", against {pass1}")),
+    Figure("docs/results.md", "(`--demo demo.json`) | 0.858 | 0.983 | 275 of 300 replies call the tool, none with the "
+           "demo's numbers |", DEMO[1:], lambda rows: _scores(rows, "(`--demo demo.json`) | {pass1} | {pass4} | ")
+           + _calls(rows).replace(", 0 of them with", ", none with") + " |"),
+    Figure("results/README.md", "before the questions instead (`--demo`), pass@1 0.858;", DEMO[1:],
+           lambda rows: _scores(rows, "before the questions instead (`--demo`), pass@1 {pass1};")),
+    Figure("docs/usage.md", "on the questions alone goes from 0.000 to 0.858", DEMO,
+           lambda alone, demo: _scores(alone, "on the questions alone goes from {pass1} to ") + _scores(demo, "{pass1}")),
     Figure("results/agents/README.md", "52 of them with the example's numbers", AGENTS[1:2],
            lambda rows: f"{sum('<calc>12 * 34' in t for t in _replies(rows))} of them with the example's numbers"),
     *(Figure(page, "109 of 300 replies call the tool", AGENTS[1:2],
@@ -635,6 +684,15 @@ FIGURES = [
            lambda m: "VinePPO's runs peaked at {:.1f}, {:.1f} and {:.1f} GB, its equal-seconds runs at {:.1f}, {:.1f} "
            "and {:.1f} GB".format(*(m["runs"][f"{r}-vineppo-s{s}"]["peak_gb"]
                                     for r in ("iterations", "seconds") for s in SEEDS))),
+    *(Figure("docs/performance.md", text, (DIALOGUE_BENCH,), _dialogue_row(key)) for key, text in (
+        ("dialogues", "| dialogues (8, 16-18 turns, 243-293 policy tokens a repeat) | 50.3 tok/s | 69.5 tok/s | "
+                      "**0.72×** (0.69-0.80) |"),
+        ("replays", "| replays (32-36 continuations, 774-941 policy tokens a repeat) | 51.5 tok/s | 205.4 tok/s | "
+                    "**0.25×** (0.25-0.28) |"))),
+    Figure("results/benchmarks/README.md", "dialogue rollouts at 0.72× single-turn sampling's tokens/s and VinePPO's "
+           "replays of them at 0.25×", (DIALOGUE_BENCH,),
+           lambda r: f"dialogue rollouts at {r['dialogues']['ratio']:.2f}× single-turn sampling's tokens/s and "
+                     f"VinePPO's replays of them at {r['replays']['ratio']:.2f}×"),
     Figure("docs/models-and-gpus.md", "0.381 in float32 and 0.530 in bf16", BF16_EVALS,
            lambda f32, bf16: f"{f32['pass@1']:.3f} in float32 and {bf16['pass@1']:.3f} in bf16"),
     *(Figure("results/agents/README.md", text.format(**QUOTED_VALUES), (AGENT_VALUES,), _turn_values(text)) for text in (

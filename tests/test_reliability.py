@@ -373,6 +373,23 @@ def test_damaged_checkpoint_files_are_found_without_loading(run):
     assert runs.damage(ckpt).startswith("Expecting")
 
 
+def test_a_weights_only_checkpoint_evaluates_and_refuses_a_resume(tiny_sft, tmp_path, capsys):
+    """--save-weights-only true: the model files and tokenizer, no optimiser state; intact for eval and export, and a
+    resume says in one line why it cannot go on from it."""
+    from vineppo.training import runs
+
+    out = tmp_path / "light"
+    train(_cfg(tiny_sft, out, iterations=1, save_weights_only=True))
+    ckpt = out / "checkpoints" / "iter-000001"
+    assert not (ckpt / "optimizer.pt").exists() and json.loads((ckpt / "state.json").read_text())["weights_only"]
+    assert runs.damage(ckpt) is None
+    capsys.readouterr()  # the run's own lines
+    line = _fails(capsys, ["train", "--resume", str(out), "--iterations", "2"])
+    assert "iter-000001 holds the weights alone" in line and "--save-weights-only true" in line
+    code, out_text, _ = _cli(capsys, ["eval", "--model", str(ckpt), "--samples", "0", "--limit", "2", "--json"])
+    assert code == 0 and json.loads(out_text)["problems"] == 2
+
+
 def test_data_is_read_before_the_model_loads(tmp_path, capsys):
     err = _fails(capsys, ["train", "--task", "gsm8k", "--data", str(tmp_path / "missing.jsonl"), "--model", NO_MODEL])
     assert f"{tmp_path / 'missing.jsonl'}: no such file" in err

@@ -255,9 +255,9 @@ def test_generators_on_model_device(tiny, monkeypatch):
         made.append(kw.get("device", args[0] if args else None))
         return real_generator(*args, **kw)
 
-    def generate(self, prompts, n, params, generator=None, progress=None):
+    def generate(self, prompts, n, params, generator=None, progress=None, examples=None):
         used.append(generator.device)
-        return real_generate(self, prompts, n, params, generator, progress)
+        return real_generate(self, prompts, n, params, generator, progress, examples=examples)
 
     monkeypatch.setattr(torch, "Generator", spy)
     monkeypatch.setattr(Engine, "generate", generate)
@@ -311,3 +311,41 @@ def test_eval_scores_the_problems_a_run_evaluated_whatever_its_sampling_seed(tin
     scored = [(r["id"], r["answer"]) for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())]
     in_run = load_data(configs.TrainConfig(seed=seed, eval_problems=4), get_task("arith")).test
     assert scored == [(ex.id, ex.answer) for ex in in_run]
+
+
+BREAKS_ON = '''
+class Once:
+    """Ends the game after the model's first turn with reward 1; its step raises on the row whose `answer` is "boom"."""
+
+    deterministic = True
+
+    def reset(self, row):
+        self.row = row
+        return ""
+
+    def step(self, text):
+        if self.row["answer"] == "boom":
+            raise ValueError("the board is gone")
+        return "", True, 1.0
+'''
+
+
+def test_eval_writes_the_samples_finished_before_an_environments_fault_and_the_answer_column(tiny_sft, tmp_path,
+                                                                                               capsys):
+    """An environment that raises on the third row: the first two rows' samples are written to --out (their `answer`
+    column recorded), then eval stops with the row's id. Before, every finished sample was lost."""
+    problems = ARITH.load("test", "premature=0", 0)[:4]
+    rows = [{"prompt": ARITH.prompt(ex), "answer": a} for ex, a in zip(problems, ("5", "7", "boom", "9"))]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "game.py").write_text(BREAKS_ON)
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--model", str(tiny_sft), "--task", "custom", "--data", str(tmp_path / "d.jsonl"), "--env",
+                  f"{tmp_path / 'game.py'}:Once", "--samples", "2", "--max-new-tokens", "96", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "d.jsonl:3: the environment's step raised ValueError: the board is gone" in err
+    assert f"the 4 samples finished before it are in {out}" in err
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"].rsplit(":", 1)[1], r["answer"], r["samples"], r["greedy_text"]) for r in written] == [
+        ("1", "5", 2, None), ("2", "7", 2, None)]
+    assert all(r["sample_reward"] == [1.0, 1.0] for r in written)

@@ -59,6 +59,7 @@ class Turns:
     reward: float | None = None  # the environment's reward, when it gives one
     record: Record | None = None  # what resuming the dialogue at one of its turns needs (Request.records)
     counts: dict[str, float] = field(default_factory=dict)  # its turns, tool calls and faults (`counts` sums them)
+    env: Any = None  # the environment instance that played it (reward functions in TRL's form get it: `environments`)
 
 
 def counts(samples: Iterable[Any], prefix: str = "") -> dict[str, float]:
@@ -92,6 +93,16 @@ class Dialogue:
     pending: tuple[str, Future, str] | None = None  # (tool or env, the call under way, the turn's end token)
     seen: bool = False  # this round's turn has been taken in
     counts: Counter = field(default_factory=Counter)  # turns, tool calls and faults of this rollout (Turns.counts)
+    cut_by: str | None = None  # what cut it off: turns, turn, tokens, inserted or context (vineppo.agents.engine)
+
+    def cut(self, why: str) -> None:
+        """End the dialogue as cut off (reward 0), counted, by `why` (which limit it reached)."""
+        self.finish, self.cut_by = "length", why
+        self.counts["cut_off"] += 1
+
+    def policy_tokens(self) -> int:
+        """The policy's tokens in the dialogue (a continuation's prefix included)."""
+        return sum(self.mask)
 
     def begin_turn(self) -> None:
         """Mark the start of a policy turn and snapshot the dialogue there."""
@@ -117,7 +128,7 @@ class Dialogue:
         record = Record(self.example, self.prompt, list(self.after), list(self.mask), copying.deepcopy(self.messages),
                         list(self.actions), list(self.snapshots))
         turns = Turns(list(self.prompt), self.mask[self.start:], [t - self.start for t in self.turns if t >= self.start],
-                      copying.deepcopy(self.messages), self.reward, record, dict(self.counts))
+                      copying.deepcopy(self.messages), self.reward, record, dict(self.counts), self.env)
         entropies = self.entropies[self.start:] if self.entropies is not None else None
         return Sample(own, tokenizer.decode(own, skip_special_tokens=True), self.logprobs[self.start:],
                       self.finish or "length", entropies, dialogue=turns)

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from vineppo import agents
 from vineppo.core import config as configs
 from vineppo.core.config import ENGINES, check_engine
-from vineppo.core.errors import UserError
+from vineppo.core.errors import RolloutFault, UserError
 from vineppo.engine.loading import LoadSpec, load
 from vineppo.models.prompts import HELP, check_format
 from vineppo.tasks import DATA_HELP, custom, get_task
@@ -86,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
         settings = EvalSettings(args.samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
         timeout = args.reward_timeout_s if args.reward_timeout_s is not None else 60.0
         engine = agents.for_task(got.engine, task, got.prompter, timeout, resume=False)
-        res = evaluate(engine, task, examples, settings, got.prompter, progress=tick)
+        try:
+            res = evaluate(engine, task, examples, settings, got.prompter, progress=tick)
+        except RolloutFault as fault:  # what finished before an environment's fault is written, then it stops
+            out.write_text("".join(json.dumps(r) + "\n" for r in fault.rows))
+            done = sum(r["samples"] + (r["greedy_text"] is not None) for r in fault.rows)
+            raise RolloutFault(f"{fault}; the {done} samples finished before it are in {out}") from None
         res["tokens_per_s"] = res["tokens"] / (time.perf_counter() - start)  # generated tokens, sampled and greedy
     out.write_text("".join(json.dumps(r) + "\n" for r in res["results"]))
     summary = {k: v for k, v in res.items() if k != "results"}

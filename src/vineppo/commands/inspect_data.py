@@ -23,6 +23,7 @@ from rich.table import Table
 from vineppo.core.steps import every_n_tokens
 from vineppo.models.prompts import HELP, Prompter
 from vineppo.tasks import Example, Task, custom, get_task
+from vineppo.tasks.agent import first_observation
 from vineppo.tasks.custom import CustomTask
 
 CHUNK = 64  # references graded per call (one call of a custom task's reward functions)
@@ -94,6 +95,9 @@ def ungraded(task: Task, examples: list[Example], reward: list | None) -> str | 
     """Why the references are not graded, naming the flag that fixes it (None: they are)."""
     if not isinstance(task, CustomTask):
         return None
+    if not reward and task.agent is not None and task.agent.env is not None:
+        return ("the environment gives the reward, in a dialogue a reference does not play (pass --reward "
+                "FILE.py:FUNCTION to score the references' text)")
     if not reward:
         return "no reward function: pass --reward FILE.py:FUNCTION"
     if not any(task.target(ex) for ex in examples):
@@ -112,14 +116,28 @@ def shown_steps(task: Task, ex: Example, tokenizer) -> list[str]:
 
 
 def describe(task: Task, examples: list[Example], prompter: Prompter | None) -> dict:
-    """What a model would see: the prompt format, three prompts and, for a custom task, the reward's columns."""
-    shown = examples[:3]
-    prompts = [prompter.text(ex) for ex in shown] if prompter else \
-        [task.chat_turns(ex) or task.prompt(ex) for ex in shown]
+    """What a model would see: the prompt format, three prompts (an environment's first observation in them, as
+    reset gives it for the row) and, for a custom task, the reward's columns."""
+    prompts = [shown_prompt(task, ex, prompter) for ex in examples[:3]]
     out = {"prompt_format": prompter.format if prompter else task.auto_format(None), "prompts": prompts}
     if isinstance(task, CustomTask) and examples:
         out["columns"] = list(task.data.rows[examples[0].id].columns)
     return out
+
+
+def shown_prompt(task: Task, ex: Example, prompter: Prompter | None) -> str | list[dict]:
+    """The prompt of `ex` as the model reads it (text, or without a model the data's text or chat turns), with what an
+    environment's reset adds for its row."""
+    extra, join = first_observation(task.agent, task.row(ex), ex.id) if task.agent is not None else ("", None)
+    if prompter is not None:
+        return prompter.text(ex, extra, join)
+    prompt = task.chat_turns(ex) or task.prompt(ex)
+    if not extra:
+        return prompt
+    sep = ("\n\n" if isinstance(prompt, list) else "\n") if join is None else join
+    if isinstance(prompt, str):
+        return prompt + sep + extra
+    return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + sep + extra}]
 
 
 def run(args: argparse.Namespace) -> int:

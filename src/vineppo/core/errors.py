@@ -7,3 +7,13 @@ class UserError(Exception):
 
 class RewardError(UserError):
     """A user's reward function failed (raised, returned something that is not a reward, ran past its time limit)."""
+
+
+class RolloutFault(RewardError):
+    """An environment failed during a rollout (its message names the row); `finished` holds, per prompt, the samples
+    that finished before it, so a caller can keep them (`vineppo eval` writes them)."""
+
+    def __init__(self, message: str, finished: list | None = None):
+        super().__init__(message)
+        self.finished = finished or []
+        self.rows: list[dict] = []  # the per-problem rows an evaluation made of `finished` (vineppo.training.evaluation)

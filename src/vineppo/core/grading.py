@@ -87,9 +87,20 @@ def outcome_rewards(score: Scorer, items: list[Any], samples: list[Sample], text
     return out
 
 
+class Conversation(list):
+    """A dialogue's messages as reward functions read them, and the environment instance that played it (`env`: what
+    TRL's reward functions receive as `environments`)."""
+
+    env: Any = None
+
+
 def completion(sample: Sample, text: str) -> Any:
     """What a reward reads of a sample: a dialogue's messages (tool and environment turns included), else `text`."""
-    return sample.dialogue.messages if sample.dialogue is not None else text
+    if sample.dialogue is None:
+        return text
+    messages = Conversation(sample.dialogue.messages)
+    messages.env = getattr(sample.dialogue, "env", None)
+    return messages
 
 
 def continuation_rewards(score: Scorer, tokenizer, prefix_ids: list[int], samples: list[Sample],

@@ -137,9 +137,10 @@ def recording(log: RewardLog | None) -> Iterator[Recording]:
         yield rec
 
 
-def load_function(spec: str, flag: str = "--reward") -> tuple[str, Callable]:
+def load_function(spec: str, flag: str = "--reward", kind: str = "function") -> tuple[str, Callable]:
     """(name, function) that `--reward FILE.py:FUNCTION` or `--reward package.module:FUNCTION` names (`flag`: the
-    flag errors name: --reward, --tools, --env)."""
+    flag errors name: --reward, --tools, --env; `kind`: what the name must be, "function" or "class", which a
+    missing name's message lists)."""
     source, _, name = spec.rpartition(":")
     if source == "python":  # recorded in config.yaml by the Python API, which passes the function itself
         raise UserError(f"{flag} {spec}: a function given to the Python API (vineppo.api), which only Python can "
@@ -150,11 +151,13 @@ def load_function(spec: str, flag: str = "--reward") -> tuple[str, Callable]:
     module = _import_file(source, where) if source.endswith(".py") else _import_module(source, where)
     fn = getattr(module, name, None)
     if fn is None:
-        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
-        raise UserError(f"{flag} {spec}: {source} has no function {name!r}" +
-                        (f" (it defines {', '.join(defined)})" if defined else ""))
+        test = inspect.isclass if kind == "class" else inspect.isfunction
+        defined = sorted(k for k, v in vars(module).items() if test(v) and not k.startswith("_")
+                         and getattr(v, "__module__", None) == module.__name__)  # its own, not what it imports
+        raise UserError(f"{flag} {spec}: {source} has no {kind} {name!r}" +
+                        (f" (it defines {', '.join(defined)})" if defined else f" (it defines no {kind})"))
     if not callable(fn):
-        raise UserError(f"{flag} {spec}: {name} is a {type(fn).__name__}, not a function")
+        raise UserError(f"{flag} {spec}: {name} is a {type(fn).__name__}, not a {kind}")
     return name, fn
 
 

@@ -103,20 +103,21 @@ class Prompter:
         knows = self.format == "chat" and "tool" in (getattr(self.tokenizer, "chat_template", None) or "")
         return "template" if agent.format == "template" or (agent.format == "auto" and knows) else "plain"
 
-    def text(self, ex: Example, extra: str = "") -> str:
-        """The prompt as text; `extra` (an environment's first observation) ends its last user turn."""
+    def text(self, ex: Example, extra: str = "", join: str | None = None) -> str:
+        """The prompt as text; `extra` (an environment's first observation) ends its last user turn, after `join`
+        (None: a blank line in chat, a line break outside it; TRL's environments: "")."""
         if self.format == "chat":
-            return self._chat(ex, extra=extra)
+            return self._chat(ex, extra=extra, join="\n\n" if join is None else join)
         if self.task.chat_turns(ex) is not None:
             raise UserError(f"--prompt-format {self.format}: the prompt of {ex.id} is chat turns; use chat (or auto)")
         shots = [s for s in self.shots if s.problem != ex.problem][: self.n_shots]
         tools = self.task.agent.system_text() + "\n\n" if self.task.agent is not None and self.task.agent.tools else ""
         return tools + "".join(self.task.prompt(s) + self.task.target(s) + "\n\n" for s in shots) + \
-            self.task.prompt(ex) + (f"\n{extra}" if extra else "")
+            self.task.prompt(ex) + (("\n" if join is None else join) + extra if extra else "")
 
-    def prompt(self, ex: Example, extra: str = "") -> list[int]:
+    def prompt(self, ex: Example, extra: str = "", join: str | None = None) -> list[int]:
         """Token ids of the prompt (with the tokenizer's own prefix, e.g. BOS, outside chat)."""
-        return self.tokenizer(self.text(ex, extra), add_special_tokens=self.format != "chat")["input_ids"]
+        return self.tokenizer(self.text(ex, extra, join), add_special_tokens=self.format != "chat")["input_ids"]
 
     def next_turn(self, messages: list[dict], ended_with: str) -> str:
         """The text between the end of a policy turn and its next turn, when `messages` end with the answer to it (a
@@ -150,11 +151,11 @@ class Prompter:
         ids = tok(full[len(prompt):].rstrip(), add_special_tokens=False)["input_ids"]
         return ids if ids and ids[-1] in tok.all_special_ids else ids + [tok.eos_token_id]
 
-    def _chat(self, ex: Example, solution: str | None = None, extra: str = "") -> str:
+    def _chat(self, ex: Example, solution: str | None = None, extra: str = "", join: str = "\n\n") -> str:
         turns = self.task.chat_turns(ex) or [{"role": "user", "content": f"{self.task.instruction}\n\n{ex.problem}"
                                               if self.task.instruction else ex.problem}]
         if extra:
-            turns = turns[:-1] + [{**turns[-1], "content": f"{turns[-1]['content']}\n\n{extra}"}]
+            turns = turns[:-1] + [{**turns[-1], "content": f"{turns[-1]['content']}{join}{extra}"}]
         kw = {}
         if self.tool_format == "template":
             kw["tools"] = [t.schema for t in self.task.agent.tools.values()]

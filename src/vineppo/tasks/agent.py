@@ -9,12 +9,21 @@ markup (`plain`, e.g. SmolLM2). A call is `OPEN{"name": ..., "arguments": {...}}
 `RESULT_OPEN...RESULT_CLOSE` (`--tool-markup OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE`). A task with one tool of one
 argument takes a call that is not JSON as that argument written out (`<calc>347 * 29</calc>`).
 
-**An environment** is a class whose instances answer one dialogue: `reset(row) -> str` (the first observation,
-appended to the prompt; "" for none), then `step(text) -> (observation, done)` or `(observation, done, reward)`
-for each of the model's turns. VinePPO's continuations from a turn need the environment as it was there: a class
-either says `deterministic = True` (rebuilt from its row and replayed with the dialogue's earlier turns) or has a
-`copy()` that snapshots an instance. A class attribute `stop` (a tuple of strings, e.g. `("\n",)` for a game whose
-moves are one line) ends the model's turn where it writes one of them, besides its end-of-turn token.
+**An environment** is a class whose instances answer one dialogue, in one of two forms. vineppo's: `reset(row) ->
+str` (the first observation, appended to the prompt; "" for none), then `step(text) -> (observation, done)` or
+`(observation, done, reward)` for each of the model's turns. TRL 1.16's `environment_factory` form (`TrlForm`), read
+when `reset` takes `**kwargs` or the class has no `step`: `reset(**row)` (its text, when not None, appended to the
+last user message as it is), its public methods the model's tools (called on the dialogue's own instance), an
+optional `get_reward()` (a reward function of weight 1 named after the class) and reward functions that receive
+`environments`, the instances that played each completion; a turn without a call ends the dialogue. VinePPO's
+continuations from a turn need the environment as it was there: a class either says `deterministic = True`
+(rebuilt from its row and replayed with the dialogue's earlier turns) or has a `copy()` that snapshots an instance.
+A class attribute `stop` (a tuple of strings, e.g. `("\n",)` for a game whose moves are one line) ends the model's
+turn where it writes one of them, besides its end-of-turn token.
+
+**A call** is found in a turn's text up to its last CLOSE, also when the token that completed CLOSE holds more text
+(a tokenizer that merges `><` ends the turn on `</calc><`): that text stays the policy's. A turn whose text opens a
+call it does not close is a bad call: counted, and the model is told.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ class Tool:
     name: str
     fn: Callable
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
+    method: bool = False  # a method of a TRL-form environment: called on the dialogue's own instance
 
     def parameters(self) -> dict:
         """The arguments' schemas by name."""
@@ -75,9 +85,11 @@ class AgentSpec:
     tools: dict[str, Tool] = field(default_factory=dict)
     env: type | None = None  # instantiated once per dialogue
     max_turns: int = 4  # the model's turns per dialogue; a dialogue still going after them is cut off (reward 0)
-    max_total_tokens: int = 0  # tokens after the prompt, the model's and inserted ones (0: max_new_tokens x max_turns)
+    max_total_tokens: int = 0  # the model's tokens in all its turns (0: max_new_tokens x max_turns)
     format: str = "auto"  # template (the chat template's tools=) | plain (the markup in a system text) | auto
     markup: Markup = Markup()
+    max_inserted_tokens: int = 0  # tokens tools and the environment insert (0: what the model's context leaves)
+    trl: TrlForm | None = None  # the environment in TRL's environment_factory form (None: vineppo's, or none)
 
     def system_text(self) -> str:
         """The plain format's instruction: the tools and how to call them."""
@@ -98,11 +110,14 @@ class AgentSpec:
         return name if len(tool.parameters()) == 1 else None
 
     def call(self, text: str) -> tuple[str, dict] | str:
-        """The (name, arguments) of the last call written in `text`, or an error message for the model."""
+        """The (name, arguments) of the last call written in `text` (up to its last CLOSE; what follows is not read),
+        or an error message for the model."""
+        end = text.rfind(self.markup.call_close)
+        text = text[:end] if end >= 0 else text
         at = text.rfind(self.markup.call_open)
         if at < 0:
             return f"error: no {self.markup.call_open} before {self.markup.call_close}"
-        body = text[at + len(self.markup.call_open):].rstrip().removesuffix(self.markup.call_close).strip()
+        body = text[at + len(self.markup.call_open):].strip()
         try:
             call = json.loads(body)
         except json.JSONDecodeError as e:
@@ -115,6 +130,63 @@ class AgentSpec:
         if call["name"] not in self.tools:
             return f"error: no tool {call['name']!r}; the tools are {', '.join(self.tools)}"
         return call["name"], call.get("arguments", {})
+
+    def unclosed(self, text: str) -> str | None:
+        """The message for a turn that opens a call after its last CLOSE and never closes it, else None."""
+        m = self.markup
+        if text.rfind(m.call_open) > text.rfind(m.call_close):
+            return (f"error: the call is not closed; write {m.call_open}...{m.call_close} and stop there, the result "
+                    f"comes back as {m.result_open}...{m.result_close}")
+        return None
+
+
+@dataclass(frozen=True)
+class TrlForm:
+    """An environment class in TRL 1.16's `environment_factory` form: `reset(**row)`, public methods as tools, an
+    optional `get_reward()`."""
+
+    methods: tuple[str, ...]  # the public methods the model may call
+    rewards: bool  # it has get_reward(): a reward function of weight 1 named after the class
+
+    def reward_function(self, cls: type) -> tuple[str, Callable]:
+        """(the class's name, a reward function in TRL's form that reads each completion's `get_reward()`)."""
+        def get_reward(environments, **kwargs):
+            return [e.get_reward() if e is not None else None for e in environments]
+        return cls.__name__, get_reward
+
+
+SKIPPED = ("reset", "get_reward", "copy")  # TRL's two, and vineppo's snapshot of an instance (VinePPO)
+
+
+def trl_form(cls: type) -> bool:
+    """Whether an environment class is in TRL's form: `reset` takes **kwargs, or the class has no `step`."""
+    try:
+        params = inspect.signature(cls.reset).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind == p.VAR_KEYWORD for p in params) or not callable(getattr(cls, "step", None))
+
+
+def public_methods(cls: type) -> tuple[str, ...]:
+    """A TRL-form class's tools, by name: its functions not named with `_` nor in SKIPPED (TRL's rule)."""
+    return tuple(n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+                 if not n.startswith("_") and n not in SKIPPED)
+
+
+def trl_tools(cls: type, where: str) -> tuple[TrlForm, dict[str, Tool]]:
+    """The TRL-form class's description and its public methods as tools (schemas from a probe instance's bound
+    methods, as TRL reads them), or a UserError naming `where`."""
+    try:
+        probe = cls()
+    except Exception as e:  # noqa: BLE001 - a user's class: one line naming it
+        raise UserError(f"{where}: making an instance failed ({one_line(e)}); TRL's environment_factory form takes a "
+                        f"class made without arguments") from None
+    names = public_methods(cls)
+    tools = {}
+    for name in names:
+        tool = tool_of(getattr(probe, name), f"{where}: method {name}")
+        tools[name] = Tool(name, tool.fn, tool.schema, method=True)
+    return TrlForm(names, callable(getattr(cls, "get_reward", None))), tools
 
 
 def tool_of(fn: Callable, where: str) -> Tool:
@@ -150,22 +222,42 @@ def load_tools(specs: list) -> dict[str, Tool]:
 
 
 def load_env(spec: Any) -> type:
-    """The environment class `--env FILE.py:Class` names (or the Python API's class), its methods checked."""
+    """The environment class `--env FILE.py:Class` names (or the Python API's class), its methods checked (either
+    form: `trl_form`)."""
     if isinstance(spec, type):
         cls, where = spec, f"env={spec.__name__}"
     else:
-        _, cls = load_function(str(spec), flag="--env")
+        _, cls = load_function(str(spec), flag="--env", kind="class")
         where = f"--env {spec}"
     if not isinstance(cls, type):
         raise UserError(f"{where}: expected a class, got a {type(cls).__name__}")
-    for method, args in (("reset", 1), ("step", 1)):
-        fn = getattr(cls, method, None)
-        if not callable(fn) or len(inspect.signature(fn).parameters) < args + 1:
-            raise UserError(f"{where}: an environment needs {method}(self, {'row' if method == 'reset' else 'text'})")
+    if not callable(getattr(cls, "reset", None)):
+        raise UserError(f"{where}: an environment needs reset(self, row) (vineppo's form) or reset(self, **kwargs) "
+                        f"(TRL's environment_factory form)")
+    if trl_form(cls) and not public_methods(cls):
+        raise UserError(f"{where}: an environment needs step(self, text) (vineppo's form) or public methods the model "
+                        f"calls as tools (TRL's environment_factory form)")
+    if not trl_form(cls):
+        for method, arg in (("reset", "row"), ("step", "text")):
+            if len(inspect.signature(getattr(cls, method)).parameters) < 2:
+                raise UserError(f"{where}: an environment needs {method}(self, {arg})")
     stop = getattr(cls, "stop", ())
     if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
         raise UserError(f"{where}: `stop` must be a tuple of non-empty strings that end the model's turn, got {stop!r}")
     return cls
+
+
+def first_observation(spec: AgentSpec, row: dict, where: str) -> tuple[str, str | None]:
+    """What a fresh environment's reset says for `row` (`where`: its id), and how it joins the prompt (None: the
+    prompt format's rule; "": as it is, TRL's); ("", None) without an environment. What reset raises is one line."""
+    if spec.env is None:
+        return "", None
+    try:
+        env = spec.env()
+        first = env.reset(**row) if spec.trl else env.reset(row)
+    except Exception as e:  # noqa: BLE001 - a user's environment: one line naming the row
+        raise UserError(f"{where}: the environment's reset raised {one_line(e)}") from None
+    return ("" if first is None else str(first)), ("" if spec.trl else None)
 
 
 def env_stop(env: type | None) -> tuple[str, ...]:

@@ -10,14 +10,16 @@ content}`), rendered with the tokenizer's chat template (`chat`); `auto` renders
 chat template too where the tokenizer has one and the model records no format of its own; without
 that column, a `messages` column is the prompt and its last assistant turn, if any, the reference completion.
 `--completion-column` names the reference completion, what `vineppo sft` trains on. Every other column
-reaches the reward functions as a keyword argument (vineppo.core.rewards).
+reaches the reward functions as a keyword argument (vineppo.core.rewards). `--demo FILE` (`load_demo`) puts a few
+worked dialogues, chat messages, before every prompt's own turns (after its system turn): the model reads them, the
+reward functions' `prompts` do not hold them.
 
 **Reward**: `--reward FILE.py:FUNCTION` or `package.module:FUNCTION`, repeatable, weighted by
 `--reward-weights`; a response is solved (pass@1, pass@k) when its reward is at least `--success-threshold`.
 **Steps**: `--steps` (vineppo.core.steps; lines by default). An example's id is where it comes from (`file:line`,
 `file[index]`, `hub NAME split record i`, `data[i]`; a CSV row's line is the line it starts on, the header
-being line 1): the key of its row, which `score` hands to the reward functions; an example has no reference
-answer of its own (`answer` is "").
+being line 1): the key of its row, which `score` hands to the reward functions; an example's `answer` is its
+`answer` column as text where it has one (what `vineppo eval` records), else "".
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Callable
 from vineppo.core.errors import UserError
 from vineppo.core.rewards import ARGUMENTS, CONTEXT, Batch, RewardLog, Rewards, check_signature, load_function
 from vineppo.core.steps import STEPS_HELP, make_splitter, token_steps
-from vineppo.tasks.agent import FORMATS, MARKUP, AgentSpec, Markup, load_env, load_tools
+from vineppo.tasks.agent import FORMATS, MARKUP, AgentSpec, Markup, load_env, load_tools, trl_form, trl_tools
 from vineppo.tasks.base import Example, Task, register
 from vineppo.tasks.data import carve, load_hub, read_jsonl
 
@@ -56,9 +58,11 @@ class Settings:
     tools: tuple[str, ...] = ()  # FILE.py:fn1,fn2 (vineppo.tasks.agent)
     env: str | None = None  # FILE.py:Class: an environment that answers the model's turns
     max_turns: int = 4  # the model's turns per dialogue
-    max_total_tokens: int = 0  # tokens after the prompt in a dialogue (0: max_new_tokens x max_turns)
+    max_total_tokens: int = 0  # the model's tokens in all its turns of a dialogue (0: max_new_tokens x max_turns)
+    max_inserted_tokens: int = 0  # tokens tools and the environment insert in a dialogue (0: the context's room)
     tool_format: str = "auto"  # template | plain | auto
     tool_markup: str = MARKUP  # OPEN|CLOSE|RESULT_OPEN|RESULT_CLOSE of the plain format
+    demo: str | None = None  # a JSON or JSONL file of chat messages: worked dialogues before every prompt
 
     @classmethod
     def read(cls, source: Any) -> Settings:
@@ -98,20 +102,26 @@ class CustomTask(Task):
 
     settings: Settings = Settings()
     data: Data | None = None
+    demo: tuple[dict, ...] = ()  # worked dialogues before every prompt's own turns (--demo)
 
     def configured(self, settings: Any) -> CustomTask:
         """A fresh custom task for the settings `settings` holds (vineppo.tasks.base.Task.configured)."""
         return make_task(Settings.read(settings))
 
     def chat_turns(self, example: Example) -> list[dict] | None:
-        """The prompt's chat turns when the data gives them."""
+        """The prompt's chat turns when the data gives them or a demo goes before them (a text prompt is then one
+        user turn): its system turn, the demo's messages, its other turns."""
         prompt = self.data.rows[example.id].prompt
-        return prompt if isinstance(prompt, list) else None
+        if not self.demo:
+            return prompt if isinstance(prompt, list) else None
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        system = turns[:1] if turns[0]["role"] == "system" else []
+        return system + [dict(m) for m in self.demo] + turns[len(system):]
 
     def auto_format(self, recorded: str | None) -> str | None:
-        """chat for data whose prompts are chat turns; for text prompts the model's recorded format, else None: chat
-        when the tokenizer has a chat template (the text as one user turn), else plain (the text as it is)."""
-        return "chat" if self.data.format == "chat" else recorded
+        """chat for data whose prompts are chat turns, or with a demo; for text prompts the model's recorded format,
+        else None: chat when the tokenizer has a chat template (the text as one user turn), else plain (as it is)."""
+        return "chat" if self.data.format == "chat" or self.demo else recorded
 
     def reward_log(self) -> RewardLog | None:
         """What the reward functions log (vineppo.core.rewards.RewardLog): their values per call, log_metric, log_extra."""
@@ -143,8 +153,8 @@ class CustomTask(Task):
 class Data:
     """A custom task's rows by example key, whether its prompts are text or chat turns, and its reward."""
 
-    def __init__(self, settings: Settings, objects: dict[str, Any]):
-        self.settings, self.objects = settings, objects
+    def __init__(self, settings: Settings, objects: dict[str, Any], agent: AgentSpec | None = None):
+        self.settings, self.objects, self.agent = settings, objects, agent
         self.rows: dict[str, Row] = {}
         self.format: str | None = None  # plain (text prompts) or chat, once a source is loaded
         self.rewards: Rewards | None = None  # made when the first source is loaded (its columns are checked)
@@ -166,8 +176,12 @@ class Data:
                 raise UserError(f"{ex.id}: " + (f"missing column {missing[0]!r}" if missing else f"column {extra[0]!r}")
                                 + f", unlike {examples[0].id}; every record needs the same columns")
         for name, fn in self.functions():
-            check_signature(name, fn, columns)
+            check_signature(name, fn, columns + (["environments"] if self.trl() else []))
         return examples
+
+    def trl(self) -> bool:
+        """Whether the environment is in TRL's form: its reward functions also get `environments`."""
+        return self.agent is not None and self.agent.trl is not None
 
     def read(self, path: str, split: str) -> tuple[list[dict], list[str]]:
         """The records of a source and where each one is."""
@@ -217,9 +231,14 @@ class Data:
         if reserved:
             raise UserError(f"{where}: column {reserved[0]!r} has the name of an argument every reward call passes; "
                             f"rename it")
+        if self.trl() and "environments" in columns:
+            raise UserError(f"{where}: column 'environments' has the name of the argument TRL's environments pass "
+                            f"to the reward functions; rename it")
         self.rows[where] = Row(prompt, columns)
         text = prompt if kind == "plain" else prompt[-1]["content"]
-        return Example(id=where, problem=text, solution=reference or "", answer="")
+        answer = columns.get("answer")
+        return Example(id=where, problem=text, solution=reference or "",
+                       answer=str(answer) if isinstance(answer, (str, int, float)) else "")
 
     def functions(self) -> list[tuple[str, Callable]]:
         """The reward functions, loaded once (the Python API's callables, or --reward's names)."""
@@ -227,7 +246,11 @@ class Data:
             given = self.objects.get("reward")
             functions = [(getattr(f, "__name__", "reward"), f) for f in given] if given else \
                 [load_function(spec) for spec in self.settings.reward]
-            self.rewards = Rewards(functions, self.settings.reward_weights, self.settings.reward_timeout_s)
+            weights = self.settings.reward_weights
+            if self.trl() and self.agent.trl.rewards:  # TRL: get_reward() is one more function, of weight 1
+                functions.append(self.agent.trl.reward_function(self.agent.env))
+                weights = (*(weights or [1.0] * (len(functions) - 1)), 1.0)
+            self.rewards = Rewards(functions, weights, self.settings.reward_timeout_s)
         return self.rewards.functions
 
     def batch(self, keys: list[str], texts: list[str], token_ids: list[list[int]]) -> list[float | None]:
@@ -242,9 +265,12 @@ class Data:
                                 f"({', '.join(names)}), which it is scored with")
         # a dialogue's completion is its messages (TRL's conversational form); a chat reply one assistant message
         chat = [t if isinstance(t, list) else [{"role": "assistant", "content": t}] for t in texts]
+        columns = {c: [r.columns[c] for r in rows] for c in names}
+        if self.trl():  # TRL's reward functions read the environment instance that played each completion
+            columns["environments"] = [getattr(t, "env", None) for t in texts]
         return self.rewards(Batch(prompts=[r.prompt for r in rows], completions=chat if self.format == "chat" else
                                   list(texts), completion_ids=[list(ids) for ids in token_ids],
-                                  columns={c: [r.columns[c] for r in rows] for c in names}, where=list(keys)))
+                                  columns=columns, where=list(keys)))
 
 
 def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None:
@@ -272,9 +298,14 @@ def add_arguments(parser: argparse.ArgumentParser, scoring: bool = True) -> None
                        help="an environment that answers the model's turns: reset(row), step(text)")
     group.add_argument("--max-turns", type=int, default=None, help="the model's turns per dialogue (default 4)")
     group.add_argument("--max-total-tokens", type=int, default=None,
-                       help="tokens after the prompt in a dialogue (default: --max-new-tokens x --max-turns)")
+                       help="the model's tokens in all its turns of a dialogue (default: --max-new-tokens x --max-turns)")
+    group.add_argument("--max-inserted-tokens", type=int, default=None,
+                       help="tokens tools and the environment insert in a dialogue (default: what the model's context "
+                            "leaves)")
     group.add_argument("--tool-format", default=None, help="template, plain or auto (default: auto)")
     group.add_argument("--tool-markup", default=None, help=f"the plain format's markup (default: {MARKUP})")
+    group.add_argument("--demo", default=None, metavar="FILE", help="worked dialogues before every prompt: a JSON "
+                       "array of chat messages, or a JSONL file of one message per line")
 
 
 def check_reward(args: argparse.Namespace) -> None:
@@ -360,27 +391,70 @@ def make_task(settings: Settings, objects: dict[str, Any] | None = None) -> Cust
     """The custom task for `settings`; `objects` holds what the Python API passes (data sets, reward callables,
     tools, an environment class)."""
     objects = objects or {}
-    data = Data(settings, objects)
     agent = agent_of(settings, objects)
+    data = Data(settings, objects, agent)
+    if agent is not None and agent.trl is not None and not agent.trl.rewards and \
+            not (objects.get("reward") or settings.reward):
+        raise UserError(f"environment {agent.env.__name__} (TRL's form) has no get_reward(): pass a reward function "
+                        f"(--reward FILE.py:FUNCTION; it may take `environments`), or give the class get_reward()")
     steps = settings.steps or ("turns" if agent else "lines")
     return CustomTask(name="custom", preset="", cpu_preset="custom-cpu", load=data.load, grade=None,
                       split_steps=make_splitter(steps), prompt_template="{problem}", instruction="", stop=(),
                       lenient=None, step_tokens=token_steps(steps), step_turns=steps == "turns", agent=agent,
-                      settings=settings, data=data)
+                      settings=settings, data=data, demo=tuple(load_demo(settings.demo)) if settings.demo else ())
 
 
 def agent_of(settings: Settings, objects: dict[str, Any]) -> AgentSpec | None:
-    """The tools and environment the settings (or the Python API's objects) name, loaded and checked; None: none."""
-    tools = list(objects.get("tools") or settings.tools)
-    env = objects.get("env") or settings.env
-    if not tools and env is None:
+    """The tools and environment the settings (or the Python API's objects) name, loaded and checked; None: none. A
+    TRL-form environment's public methods join the tools."""
+    tools = load_tools(list(objects.get("tools") or settings.tools))
+    spec = objects.get("env") or settings.env
+    if not tools and spec is None:
         return None
     if settings.tool_format not in FORMATS:
         raise UserError(f"--tool-format {settings.tool_format!r}: choose one of {', '.join(FORMATS)}")
-    if settings.max_turns < 1 or settings.max_total_tokens < 0:
-        raise UserError("--max-turns must be >= 1 and --max-total-tokens >= 0")
-    return AgentSpec(load_tools(tools), load_env(env) if env is not None else None, settings.max_turns,
-                     settings.max_total_tokens, settings.tool_format, Markup.parse(settings.tool_markup))
+    if settings.max_turns < 1 or settings.max_total_tokens < 0 or settings.max_inserted_tokens < 0:
+        raise UserError("--max-turns must be >= 1, --max-total-tokens and --max-inserted-tokens >= 0")
+    env = load_env(spec) if spec is not None else None
+    trl = None
+    if env is not None and trl_form(env):
+        trl, methods = trl_tools(env, f"--env {spec}" if isinstance(spec, str) else f"env={env.__name__}")
+        clash = [n for n in methods if n in tools]
+        if clash:
+            raise UserError(f"--env {spec}: its method {clash[0]!r} has the name of a --tools function")
+        tools.update(methods)
+    return AgentSpec(tools, env, settings.max_turns, settings.max_total_tokens, settings.tool_format,
+                     Markup.parse(settings.tool_markup), settings.max_inserted_tokens, trl)
+
+
+ROLES = ("user", "assistant", "tool")  # what a demo's messages may be (a system text goes in the data's prompt)
+
+
+def load_demo(path: str) -> list[dict]:
+    """The messages of `--demo FILE`: a JSON array of {role, content} chat messages, or a JSONL file of one message
+    per line; user, assistant and tool messages, ending with the assistant's. A UserError names the file and line."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--demo {path}: no such file")
+    if file.suffix.lower() == ".jsonl":
+        messages, where = read_jsonl(file, required=()), None
+    else:
+        try:
+            messages = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"--demo {path}: cannot read it as JSON: {e}") from None
+        if not isinstance(messages, list):
+            raise UserError(f"--demo {path}: expected a JSON array of chat messages, got {type(messages).__name__}")
+        where = "[{}]"
+    for i, m in enumerate(messages):
+        at = f"{path}{where.format(i)}" if where else f"{path}:{i + 1}"
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise UserError(f"{at}: a demo message is {{\"role\": {' | '.join(ROLES)}, \"content\": text}}, got "
+                            f"{str(m)[:80]!r}")
+    if not messages or messages[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in messages):
+        raise UserError(f"--demo {path}: a demo is a worked dialogue: a user message, then the assistant's turns (and "
+                        f"tool results), ending with the assistant's answer")
+    return [{k: v for k, v in m.items() if k in ("role", "content", "name")} for m in messages]
 
 
 register(make_task(Settings()))

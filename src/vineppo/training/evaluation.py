@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from fractions import Fraction
 
-from vineppo.core.errors import UserError
+from vineppo.core.errors import RolloutFault, UserError
 from vineppo.core.grading import outcome_reward, outcome_rewards
 from vineppo.engine import SamplingParams
 from vineppo.models.causal_lm import context_length, seeded_generator
@@ -110,25 +110,27 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
     max_new_tokens = min(max_new_tokens, ctx - max(len(p) for p in prompts))
     was_training = model.training
     model.eval()
-    sampled = [[] for _ in prompts]
-    if samples > 0:
-        params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=max_new_tokens,
-                                stop=task.stop)
-        sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
-                                  progress=progress, examples=examples)
-    greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
-    greedy = engine.generate(prompts, n=1, params=greedy_params, generator=seeded_generator(model, seed),
-                             progress=progress, examples=examples)
-    model.train(was_training)
-
-    # rewards in two batches (sampled, greedy); a response counts as solved by the task's rule (Task.solved)
-    flat = [(ex, s) for ex, outs in zip(examples, sampled) for s in outs]
-    rewards = outcome_rewards(task.score, [ex for ex, _ in flat], [s for _, s in flat])
-    greedy_rewards = outcome_rewards(task.score, examples, [g[0] for g in greedy])
-    rows, at = [], 0
-    for ex, outs, g, greedy_reward in zip(examples, sampled, greedy, greedy_rewards):
-        rows.append(_row(task, ex, outs, g[0], rewards[at:at + len(outs)], greedy_reward))
-        at += len(outs)
+    sampled, greedy = [[] for _ in prompts], [[] for _ in prompts]
+    try:
+        if samples > 0:
+            params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                                    max_new_tokens=max_new_tokens, stop=task.stop)
+            sampled = engine.generate(prompts, n=samples, params=params, generator=seeded_generator(model, seed),
+                                      progress=progress, examples=examples)
+        greedy_params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stop=task.stop)
+        greedy = engine.generate(prompts, n=1, params=greedy_params, generator=seeded_generator(model, seed),
+                                 progress=progress, examples=examples)
+    except RolloutFault as fault:  # an environment failed: the samples finished before it become rows, then it stops
+        if any(sampled):
+            greedy = fault.finished
+        else:
+            sampled = fault.finished
+        fault.rows = [row for row in scored_rows(task, examples, sampled, greedy) if row["samples"] or
+                      row["greedy_text"] is not None]
+        raise
+    finally:
+        model.train(was_training)
+    rows = scored_rows(task, examples, sampled, greedy)
     parsable = [p for r in rows for p in r["sample_parsable"] + [r["greedy_parsable"]] if p is not None]
     return {"pass@1": _mean([r["pass@1"] for r in rows if r["samples"]]),
             "greedy": _mean([r["greedy"] for r in rows]),
@@ -146,8 +148,27 @@ def evaluate(engine, task: Task, examples: list[Example], settings: EvalSettings
             "tokens": sum(len(s.token_ids) for outs in sampled + greedy for s in outs), "results": rows}
 
 
+def scored_rows(task: Task, examples: list[Example], sampled: list[list], greedy: list[list]) -> list[dict]:
+    """Each problem's row, its samples scored in two batches (sampled, greedy); a response counts as solved by the
+    task's rule (Task.solved). A problem may lack its greedy sample (an evaluation stopped by a fault)."""
+    flat = [(ex, s) for ex, outs in zip(examples, sampled) for s in outs]
+    rewards = outcome_rewards(task.score, [ex for ex, _ in flat], [s for _, s in flat])
+    have = [(ex, g[0]) for ex, g in zip(examples, greedy) if g]
+    greedy_rewards = dict(zip([ex.id for ex, _ in have], outcome_rewards(task.score, [ex for ex, _ in have],
+                                                                          [g for _, g in have])))
+    rows, at = [], 0
+    for ex, outs, g in zip(examples, sampled, greedy):
+        rows.append(_row(task, ex, outs, g[0] if g else None, rewards[at:at + len(outs)], greedy_rewards.get(ex.id)))
+        at += len(outs)
+    return rows
+
+
 def _row(task: Task, ex: Example, outs: list, g, rewards: list[float | None], greedy_reward: float | None) -> dict:
-    """One problem's line of results: its samples' rewards, marks (solved or not), lenient marks, texts, finishes."""
+    """One problem's line of results: its samples' rewards, marks (solved or not), lenient marks, texts, finishes (its
+    greedy fields None when `g` is)."""
+    if g is None:
+        row = _row(task, ex, outs, _NONE, rewards, None)
+        return {**row, **{k: None for k in GREEDY if k in row}}
     marks = [float(task.solved(r)) for r in rewards]
     lenient = [outcome_reward(task.lenient, s.text, ex.answer, s.finish_reason) for s in outs] if task.lenient \
         else marks
@@ -162,6 +183,19 @@ def _row(task: Task, ex: Example, outs: list, g, rewards: list[float | None], gr
                 sample_parsable=[_parsable(task, s.text) for s in outs], sample_finish=[s.finish_reason for s in outs],
                 **({"sample_behaviour": [task.behaviour(ex, s.text) for s in outs],
                     "greedy_behaviour": task.behaviour(ex, g.text)} if task.behaviour else {}))
+
+
+GREEDY = ("greedy", "greedy_lenient", "greedy_parsable", "greedy_text", "greedy_finish", "greedy_reward",
+          "greedy_behaviour")  # a row's greedy fields
+
+
+class _Missing:
+    """A stand-in for a greedy sample that never finished (its row's greedy fields are then None)."""
+
+    text, finish_reason, token_ids, dialogue = "", "length", [], None
+
+
+_NONE = _Missing()
 
 
 def behaviour_counts(task: Task, rows: list[dict], greedy: bool = False) -> list[float]:

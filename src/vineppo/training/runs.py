@@ -11,7 +11,8 @@ as torch.distributed.checkpoint shards in optimizer/ instead of optimizer.pt. A 
 written to a temporary folder and renamed into place, then `latest` is replaced atomically, so a kill
 mid-write never leaves a broken latest checkpoint. A write that fails (disk full, no permission) removes
 the temporary folder and leaves the previous checkpoint as it was. Resume takes the newest checkpoint
-that reads back whole and warns about any newer damaged one.
+that reads back whole and warns about any newer damaged one. With --save-weights-only a checkpoint holds the model
+files and state.json alone (`"weights_only": true`): `vineppo eval` and `export` read it, a resume refuses it.
 """
 
 from __future__ import annotations
@@ -189,6 +190,10 @@ def resume_point(out: Path, iterations: int) -> list[Path]:
         raise UserError(f"--resume {out}: every checkpoint is damaged (see the warnings); remove the folder to "
                         f"start over")
     state = json.loads((found[0] / "state.json").read_text())
+    if state.get("weights_only"):
+        raise UserError(f"--resume {out}: checkpoint {found[0].name} holds the weights alone (the run was saved with "
+                        f"--save-weights-only true), so its optimiser cannot go on; `vineppo eval --model "
+                        f"{found[0]}` and `vineppo export` read it, a new run can start from it")
     if iterations < state["iteration"]:
         raise UserError(f"--iterations {iterations}: the run in {out} has already done {state['iteration']} "
                         f"iterations ({found[0].name}); ask for at least {state['iteration']}")
@@ -214,6 +219,8 @@ def damage(ckpt: Path) -> str | None:
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
             if size != 8 + n + end:
                 return f"{f.name} is truncated"
+        if state.get("weights_only"):
+            return None  # no optimiser state to check
         sharded = ckpt / "optimizer"
         if sharded.is_dir() and not (sharded / ".metadata").is_file():
             return "optimizer/ has no .metadata (its write was cut)"
@@ -297,14 +304,27 @@ class Trained:
                                                              if self.critic is not None else {})
 
 
-def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: int,
+@dataclass(frozen=True)
+class Keep:
+    """What a run keeps of its checkpoints (--keep-checkpoints, --save-weights-only)."""
+
+    last: int = 2  # the newest checkpoints left on disk
+    weights_only: bool = False  # the model files alone: no optimiser state (nor critic), so no resume from them
+
+
+def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: Keep,
                     record: tuple[str, str] | None = None) -> None:
-    """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep`;
-    `record` (prompt format, dtype) goes in it (vineppo.models.prompts), so it evaluates and trains in the format it
-    learned, and evaluates in the dtype it trained in.
+    """Write checkpoint iter-<state['iteration']> atomically, point `latest` at it, keep the newest `keep.last` (with
+    the optimiser state unless `keep.weights_only`); `record` (prompt format, dtype) goes in it
+    (vineppo.models.prompts), so it evaluates and trains in the format it learned, and evaluates in the dtype it
+    trained in.
 
     Rank 0 writes; with --fsdp every rank first gathers the whole weights to rank 0 and writes its own
     optimiser shard."""
+    weights_only = keep.weights_only
+    if weights_only:
+        trained = Trained(trained.policy, trained.optimizer, fsdp=False)  # nothing of the optimisers is written
+        state = {**state, "weights_only": True}
     main, sharded = dist.is_main(), parallel.sharded(trained.policy)
     weights = parallel.full_state(trained.policy) if sharded else None
     critic = parallel.full_state(trained.critic) if sharded and trained.critic is not None else None
@@ -327,7 +347,7 @@ def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: i
         tokenizer.save_pretrained(tmp)
         if record:
             save_format(tmp, *record)
-        if not trained.fsdp:
+        if not trained.fsdp and not weights_only:
             torch.save(trained.optimizer.state_dict(), tmp / "optimizer.pt")
         if trained.critic is not None:
             saved = {"critic": critic if sharded else parallel.unwrap(trained.critic).state_dict()}
@@ -346,7 +366,7 @@ def save_checkpoint(out: Path, trained: Trained, tokenizer, state: dict, keep: i
         kept = f"the previous checkpoint {previous} is intact" if previous else "there was no checkpoint yet"
         raise UserError(f"cannot save checkpoint {name} in {root}: {reason(e)}; nothing was lost: {kept} and the "
                         f"temporary folder was removed; free space and resume with --resume {out}") from None
-    for old in checkpoints(out)[max(keep, 1):]:
+    for old in checkpoints(out)[max(keep.last, 1):]:
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 

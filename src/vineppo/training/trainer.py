@@ -210,7 +210,8 @@ def record(run: Run, it: int, metrics: dict[str, float], graded: Graded, spent: 
     if last or (cfg.save_every and done % cfg.save_every == 0):
         run.bar.status("saving")
         t0 = time.perf_counter()
-        runs.save_checkpoint(run.out, run.models.trained, run.tokenizer, state.to_json(), cfg.keep_checkpoints,
+        keep = runs.Keep(cfg.keep_checkpoints, cfg.save_weights_only)
+        runs.save_checkpoint(run.out, run.models.trained, run.tokenizer, state.to_json(), keep,
                              record=(run.prompter.format, cfg.dtype))
         state.save_s += time.perf_counter() - t0
     status = f"reward {metrics['train/reward']:.3f}" + (f" test {metrics['test/pass@1']:.3f}"
@@ -408,7 +409,8 @@ def completions_table(run: Run, sampled: list[Episode], call: Call | None) -> li
     rows = []
     for i, ep in enumerate(sampled[:TABLE_ROWS]):
         row = {"example": ep.example.id, "prompt": run.task.chat_turns(ep.example) or ep.example.problem,
-               "completion": ep.text, "reward": ep.reward, "finish": "length" if ep.truncated else "stop"}
+               "completion": ep.dialogue.messages if ep.dialogue is not None else ep.text,  # a dialogue: messages
+               "reward": ep.reward, "finish": "length" if ep.truncated else "stop"}
         if i in scored:
             row.update({name: values[scored[i]] for name, values in call.values.items()})
             row.update({column: values[scored[i]] for column, values in call.extra.items()})
