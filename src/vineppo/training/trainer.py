@@ -114,10 +114,11 @@ def iteration(run: Run, it: int) -> bool:
     with recording(run.task.reward_log()) as logged:  # what the reward functions log while grading and training
         drawn = sample(run, it, gen)  # 1. this rank's share of the iteration's prompts, several responses each
         graded = grade(run, drawn)  # 2. scored in one batch, cut into steps
+        sampled = sample_metrics(run, it, drawn, graded)  # (refuses a batch that is all cut off or all unrewarded)
         t1 = time.perf_counter()
         trained = update(run, it, graded.episodes, gen, order_gen)  # 3. the algorithm's update
         t2 = time.perf_counter()
-    metrics = {**sample_metrics(run, it, drawn, graded),  # every measurement of the iteration, gathered here
+    metrics = {**sampled,  # every measurement of the iteration, gathered here
                **summed(agents.counts(s for samples in drawn.outputs for s in samples)),
                **reward_stats([graded.call] if graded.call else []), **trained,
                "time/sampling_s": t1 - t0, "time/update_s": t2 - t1 - trained.get("time/credit_s", 0.0),
@@ -419,7 +420,8 @@ def completions_table(run: Run, sampled: list[Episode], call: Call | None) -> li
 
 
 def sample_metrics(run: Run, it: int, drawn: Drawn, graded: Graded) -> dict[str, float]:
-    """The iteration's sample statistics over all ranks; refuses an iteration whose responses all hit the limit."""
+    """The iteration's sample statistics over all ranks; refuses, before its update, an iteration whose responses all
+    hit the length limit or all went without a reward."""
     mine, outputs, sampled, episodes = drawn.mine, drawn.outputs, graded.sampled, graded.episodes
     rewarded = [ep for ep in sampled if ep.reward is not None]
     n, truncated, reward, tokens, mixed, prompts, kept_mixed, scored, flat, kept = dist.all_sum([
