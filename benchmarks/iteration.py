@@ -1,7 +1,8 @@
 """An iteration of each algorithm against a GRPO iteration on the main job, from the runs' own metrics.
 
     python benchmarks/iteration.py [--algos vineppo,grpo] [--iterations 6] [--rounds 2] [--threads 2] [--src DIR]
-                                   [--device cuda] [--shape qwen2.5-0.5b] [--json] [-- TRAIN FLAGS]
+                                   [--device cuda] [--shape qwen2.5-0.5b] [--variant NAME=ALGO:FLAGS] [--json]
+                                   [-- TRAIN FLAGS]
 
 Each round runs `vineppo train --algo A` once for each algorithm A (in turn, one at a time, in fresh
 processes), both from the shipped SFT model with the main job's preset and the same seed, and reads
@@ -12,7 +13,9 @@ iteration and its phases, the tokens it trains on per iteration (the responses, 
 continuations that train too) and per second, and its `ratio_to_grpo` (median iteration over GRPO's; GRPO is
 always run). ``--src`` runs another checkout's
 package (its src/ folder) instead of the installed one, for before/after comparisons; flags after ``--`` go to
-`vineppo train` (e.g. ``-- --mc-k 3``). ``--device`` is `vineppo train`'s (default: its own choice).
+`vineppo train` (e.g. ``-- --mc-k 3``). ``--device`` is `vineppo train`'s (default: its own choice). ``--variant
+NAME=ALGO:FLAGS`` (repeatable) adds a method of its own name, an algorithm with flags of its own, run in turn with the
+others in every round (``--variant "vineppo-entropy=vineppo:--mc-states entropy:2"``).
 
 ``--shape`` times the phases at a named model shape (``benchmarks/shapes.py``), not learning: the runs start from
 random weights of that shape (seed 0, saved once as a model folder with the shipped SFT model's tokenizer), so
@@ -42,7 +45,8 @@ TRAINED = "train/trained_tokens"  # response tokens the update trains on in an i
 
 
 def run(algo: str, out: Path, args, extra: list[str]) -> list[dict]:
-    """One training run; its per-iteration time records."""
+    """One training run of `algo` (an algorithm, or a --variant's name); its per-iteration time records."""
+    algo, extra = (args.variants[algo][0], [*extra, *args.variants[algo][1]]) if algo in args.variants else (algo, extra)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.src:
         env["PYTHONPATH"] = str(Path(args.src).resolve())
@@ -95,6 +99,7 @@ def run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--src", default="", help="a checkout's src/ folder to run instead of the installed package")
     ap.add_argument("--device", default="", help="vineppo train's --device (default: its own choice)")
     ap.add_argument("--json", action="store_true")
+    ap.set_defaults(variants={})  # --variant's methods, where a benchmark takes them
 
 
 def main(argv=None):
@@ -103,8 +108,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run_arguments(ap)
     ap.add_argument("--shape", default="", help="random weights of a named shape (benchmarks/shapes.py): phases, not learning")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=ALGO:FLAGS, a method of its own (repeatable)")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    names = [a for a in args.algos.split(",") if a and a != "grpo"] + ["grpo"]
+    args.variants = {v.split("=", 1)[0]: (v.split("=", 1)[1].split(":", 1)[0], v.split(":", 1)[1].split())
+                     for v in args.variant}
+    names = [a for a in args.algos.split(",") if a and a != "grpo"] + list(args.variants) + ["grpo"]
     runs: dict[str, list] = {a: [] for a in names}
     with tempfile.TemporaryDirectory() as tmp:
         flags = extra

@@ -365,4 +365,7 @@ def test_flat_groups_and_nonzero_tokens_count_the_missing_signal():
     eps = [_ep(r, n_tokens=1, group=g) for g, r in ((0, 1.0), (0, 1.0), (1, 0.0), (1, 1.0), (2, 0.0), (2, 0.0))]
     assert flat_groups(eps) == (2, 3)  # a group of equal rewards, all right or all wrong, is zero-signal
     grpo = get_estimator("grpo")(eps, CreditContext())
-    assert nonzero_tokens(grpo.advantages, eps) == (2, 6)  # only the mixed group's two responses move
+    assert nonzero_tokens(grpo.advantages, eps)[::2] == (2, 6)  # only the mixed group's two responses move
+    raw = [torch.tensor([0.0]), torch.tensor([-1.0]), torch.tensor([0.0])]
+    assert nonzero_tokens(raw, eps[:3], normalise(raw, "whiten")) == (1, 2, 3)  # whitening moves both zeros
+    assert nonzero_tokens(raw, eps[:3], normalise(raw, "scale")) == (1, 0, 3)

@@ -86,6 +86,8 @@ if len(sys.argv) > 3:  # then TEMPO, recording each process's episodes and raw a
     trainer.train()
     with open(f"{sys.argv[3]}/rank{rank}.pkl", "wb") as f:
         pickle.dump(trainer.seen, f)
+
+trainer.accelerator.end_training()  # the process group closed before exit: left open, gloo can abort at exit
 '''
 
 

@@ -99,7 +99,7 @@ def completion(sample: Sample, text: str) -> Any:
     if sample.dialogue is None:
         return text
     messages = Conversation(sample.dialogue.messages)
-    messages.env = getattr(sample.dialogue, "env", None)
+    messages.env = sample.dialogue.env
     return messages
 
 

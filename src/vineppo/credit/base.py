@@ -141,14 +141,18 @@ def flat_groups(episodes: list[Episode]) -> tuple[int, int]:
     return sum(len(r) == 1 for r in rewards), len(rewards)
 
 
-def nonzero_tokens(advantages: list[torch.Tensor], episodes: list[Episode]) -> tuple[int, int]:
-    """(the policy's tokens whose advantage is not 0, the policy's tokens) of `episodes` and their advantages."""
-    nonzero = total = 0
-    for a, ep in zip(advantages, episodes):
+def nonzero_tokens(advantages: list[torch.Tensor], episodes: list[Episode],
+                   normalised: list[torch.Tensor] | None = None) -> tuple[int, int, int]:
+    """(the policy's tokens whose advantage is not 0, those whose advantage was 0 and is not in `normalised`, the
+    policy's tokens) of `episodes` and their advantages."""
+    nonzero = shifted = total = 0
+    for k, (a, ep) in enumerate(zip(advantages, episodes)):
         policy = torch.ones(len(a), dtype=torch.bool) if ep.mask is None else torch.tensor(ep.mask, dtype=torch.bool)
         nonzero += int(((a != 0) & policy).sum())
+        if normalised is not None:
+            shifted += int(((a == 0) & (normalised[k] != 0) & policy).sum())
         total += int(policy.sum())
-    return nonzero, total
+    return nonzero, shifted, total
 
 
 def step_advantages(values: list[float], reward: float, gamma: float = 1.0) -> list[float]:

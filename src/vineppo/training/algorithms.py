@@ -117,11 +117,14 @@ def assign_credit(episodes: list[Episode], ctx: Context) -> tuple[Credit, dict[s
     metrics.update(_reduce_stats(credit.stats))
     if mc_engine.states_run:
         metrics["mc/states_run"] = dist.all_sum([float(mc_engine.states_run)])[0]
-    nonzero, tokens = dist.all_sum([float(n) for n in nonzero_tokens(credit.advantages, episodes + credit.extra)])
-    metrics["signal/nonzero_tokens"] = nonzero / max(tokens, 1.0)  # before normalisation: the estimator's own zeros
-    if metrics.get("mc/states"):  # VinePPO: states whose continuations disagree (a value neither 0 nor 1)
+    if metrics.get("mc/states"):  # VinePPO: the states whose continuations' rewards differ
         metrics["signal/mixed_states"] = metrics["mc/mixed_states"] / metrics["mc/states"]
-    credit.advantages = normalise(credit.advantages, cfg.advantage_norm)
+    normalised = normalise(credit.advantages, cfg.advantage_norm)
+    nonzero, shifted, tokens = dist.all_sum([float(n) for n in nonzero_tokens(credit.advantages, episodes +
+                                                                              credit.extra, normalised)])
+    metrics["signal/nonzero_tokens"] = nonzero / max(tokens, 1.0)  # before normalisation: the estimator's own zeros
+    metrics["signal/shifted_zeros"] = shifted / max(tokens, 1.0)  # zeros the normalisation moved (whitening's shift)
+    credit.advantages = normalised
     return credit, metrics
 
 
