@@ -6,7 +6,7 @@ the protocol's: condition by condition, seed by seed, the methods in turn.
     python results/regimes/run.py --scratch $SCRATCH [--conditions hard,cutoff,groups-2,groups-4,long,game]
         [--seeds 0,1,2] [--methods ...]
 
-$SCRATCH holds the start models and the chosen prompts and budget (select.py, commands.txt) and receives the runs
+$SCRATCH holds the start models and the chosen prompts and budget (choose.py, commands.txt) and receives the runs
 in $SCRATCH/study/<condition>/<method>-s<seed>/ (the final checkpoint kept for the conditions of the held-out
 shift, KEEP).
 """
@@ -41,7 +41,7 @@ LONG = "min_ops=8,max_ops=12,premature=0"
 
 
 def condition_flags(condition: str, scratch: Path) -> list[str]:
-    """The `vineppo train` flags of a condition (PROTOCOL.md's table); `select.json` holds what select.py chose."""
+    """The `vineppo train` flags of a condition (PROTOCOL.md's table); `select.json` holds what choose.py chose."""
     chosen = json.loads((scratch / "select.json").read_text()) if (scratch / "select.json").exists() else {}
     return {
         "hard": ARITH + ["--train-ids", str(scratch / "hard-ids.txt"), "--time-budget-s", "90"],

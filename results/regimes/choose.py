@@ -1,9 +1,9 @@
 """The regimes study's chosen conditions (PROTOCOL.md), from the start models' own samples:
 
-    python results/regimes/select.py hard EVAL.jsonl --out $SCRATCH/hard-ids.txt
+    python results/regimes/choose.py hard EVAL.jsonl --out $SCRATCH/hard-ids.txt
         the training problems whose pass rate under the start model (its samples at the training temperature, as
         `vineppo eval --split train` wrote them) is in [0.05, 0.30]
-    python results/regimes/select.py budget EVAL.jsonl --model MODEL --quantile 0.6 --key cutoff_tokens --out $SCRATCH
+    python results/regimes/choose.py budget EVAL.jsonl --model MODEL --quantile 0.6 --key cutoff_tokens --out $SCRATCH
         the --max-new-tokens that cuts a share 1 - quantile of the start model's careful solutions (in tokens,
         counted with the model's tokenizer, its end-of-sequence token included; `--margin N` adds N), into
         $SCRATCH/select.json
@@ -32,7 +32,7 @@ def hard(path: Path, out: Path) -> dict:
     chosen = [r["id"] for r in found if BAND[0] <= r["pass@1"] <= BAND[1]]
     samples = found[0]["samples"]
     out.write_text(f"# problems whose start-model pass rate over {samples} samples is in [{BAND[0]}, {BAND[1]}] "
-                   f"(results/regimes/select.py hard)\n" + "\n".join(chosen) + "\n")
+                   f"(results/regimes/choose.py hard)\n" + "\n".join(chosen) + "\n")
     rates = [r["pass@1"] for r in found]
     return {"problems": len(found), "samples": samples, "chosen": len(chosen), "band": list(BAND),
             "mean_rate_all": sum(rates) / len(rates),
