@@ -92,7 +92,7 @@ class FakeEngine:
             d = int(text[-2]) + 1 if text.endswith("\n") and text[-2].isdigit() else 4
             out.append([[_sample("#### 4" if m % d == 0 else "#### 5") for m in range(k)]])
         if progress:
-            progress(k * len(sequences))
+            progress(k * len(sequences), 0)
         return out
 
 

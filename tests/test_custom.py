@@ -390,8 +390,8 @@ def test_a_task_outside_the_repository_trains_from_the_command_line(tiny_sft, ar
     assert summary["iterations"] == 2 and summary["sft_test_pass@1"] is not None
     rows = [json.loads(x) for x in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["episodes"] == 16 and rows[1]["train/no_reward"] == 0 and 0 <= rows[1]["train/reward"] <= 1
-    if algo == "vineppo":
-        assert rows[1]["mc/states_shared"] > 2 * rows[1]["episodes"]  # a state per line: responses have several
+    if algo == "vineppo":  # custom-cpu's two states a response (--mc-states budget:2), on replies of several lines
+        assert rows[1]["episodes"] < rows[1]["mc/states_shared"] <= 2 * rows[1]["episodes"]
     if algo == "vineppo-tree":  # every continuation that has a sibling with a reward trains too
         assert rows[1]["train/trained_episodes"] == rows[1]["episodes"] + rows[1]["mc/trained"] > 16
     if algo == "tempo":  # the prompt is shared by each group at least

@@ -415,12 +415,12 @@ def test_determinism_and_progress(llama, tok):
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=10)
     calls = []
     a = Engine(llama, tok).generate(prompts, 4, params, generator=torch.Generator().manual_seed(1),
-                                    progress=calls.append)
+                                    progress=lambda done, tokens: calls.append((done, tokens)))
     b = Engine(llama, tok).generate(prompts, 4, params, generator=torch.Generator().manual_seed(1))
     c = Engine(llama, tok).generate(prompts, 4, params, generator=torch.Generator().manual_seed(2))
     ids = lambda o: [[s.token_ids for s in r] for r in o]  # noqa: E731
     assert ids(a) == ids(b) and ids(a) != ids(c)
-    assert calls and calls[-1] == 8 and calls == sorted(calls)
+    assert calls and calls[-1] == (8, sum(len(s.token_ids) for r in a for s in r)) and calls == sorted(calls)
 
 
 def test_decode_steps_of_sdpa_models_run_the_engines_attention(model, tok, monkeypatch):

@@ -184,6 +184,18 @@ def test_cli_eval_json(tiny, capsys, tmp_path):
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
 
 
+def test_cli_eval_outside_a_terminal_prints_its_progress(tiny, capsys, tmp_path, monkeypatch):
+    from vineppo.core import tracking
+
+    monkeypatch.setattr(tracking, "PROGRESS_EVERY", 0.0)  # a line at every report (the default: every 10 s)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--model", str(tiny), "--task", "arith-mini", "--samples", "2", "--limit", "2",
+                  "--max-new-tokens", "16", "--out", str(tmp_path / "r.jsonl"), "--json"])
+    assert e.value.code == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("eval: ")]
+    assert lines and lines[-1].startswith("eval: 6/6 samples, ") and lines[-1].endswith("tokens/s")
+
+
 def test_pass_at_k_and_majority_vote():
     """pass@k: any sample right; maj@k: the mark of the most common extracted answer, the first-seen on ties."""
     S = lambda text: types.SimpleNamespace(text=text)

@@ -370,3 +370,46 @@ def test_train_ids_choose_the_training_prompts(tiny_sft, tmp_path):
     ids.write_text("arith-train-7\narith-train-x\n")
     with pytest.raises(UserError, match=r"--train-ids .*ids.txt:2: no training example 'arith-train-x'"):
         load_data(configs.TrainConfig(train_ids=str(ids)), get_task("arith"))
+
+
+def test_the_pace_line_counts_what_is_left_from_the_first_iteration():
+    from vineppo.training.run import RunState
+    from vineppo.training.trainer import pace
+
+    state = RunState(train_s=30.0, start_eval_s=12.0)
+    cfg = configs.TrainConfig(iterations=10, eval_every=5, eval_problems=100)
+    assert pace(cfg, 1, 30.0, state) == ("pace: iteration 1 took 30 s and an evaluation 12 s: about 5 minutes more "
+                                         "(9 iterations, 2 evaluations; checkpoints not counted)")  # 270 + 24 s
+    budget = configs.TrainConfig(iterations=1000, eval_every=5, eval_problems=100, time_budget_s=120.0)
+    assert "(3 iterations, 1 evaluation;" in pace(budget, 1, 30.0, state)  # the budget ends it after 3 more
+
+
+def test_a_meter_counts_over_a_phases_jobs_and_shows_at_most_every_so_often(monkeypatch):
+    from vineppo.core import tracking
+
+    shown = []
+    meter = tracking.Meter("evaluating test", 12, shown.append, every=0.0)
+    meter(3, 30)
+    meter(8, 80)  # the sampled job goes on
+    meter(2, 10)  # the greedy job starts from 0 again: 8 + 2 done
+    assert meter.done == 10 and shown[-1].startswith("evaluating test: 10/12 samples, ") and "tokens/s" in shown[-1]
+    quiet = tracking.Meter("sampling", None, shown.append, every=3600.0)
+    quiet(5, 50)
+    assert len(shown) == 3 and quiet.text().startswith("sampling: 5 samples")  # nothing shown within the hour
+
+
+def test_long_phases_say_how_far_they_are_and_the_start_score_comes_at_once(tiny_sft, tmp_path, capsys,
+                                                                             monkeypatch):
+    from vineppo.core import tracking
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(tracking, "PROGRESS_EVERY", 0.0)  # a line at every report (the default: every 10 s)
+    train(_cfg(tiny_sft, tmp_path / "r", algo="vineppo", iterations=2))
+    err = capsys.readouterr().err
+    assert "start: test/pass@1 0." in err and err.index("start: test/pass@1") < err.index("iter 1/2 sampling")
+    assert err.count("pace: iteration 1 took ") == 1 and "1 iteration, 1 evaluation" in err
+    for line in ("evaluating test: ", "iter 1/2 sampling: ", "iter 1/2 credit assignment: ",
+                 "iter 1/2 evaluating test: "):
+        assert line in err, line
+    assert err.index("evaluating test: ") < err.index("iter 1/2 sampling")  # the start's evaluation too
+    assert "sampling: 16/16 samples, " in err and "/12 samples, " in err and " continuations, " in err

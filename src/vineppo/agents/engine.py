@@ -174,13 +174,16 @@ class AgentEngine:
             out = self.engine.continuations(Request([d.prompt + d.after for d in live],
                                                     [[len(d.prompt) + len(d.after)] for d in live], 1,
                                                     dataclasses.replace(turn, max_new_tokens=max(b[0] for b in budgets)),
-                                                    generator, progress, budgets, more=hook))
+                                                    generator, None, budgets, more=hook))
             for d, ((s,),) in zip(live, out):
                 if not d.seen:  # an engine that does not call `more` per row
                     self._turn_done(d, s, caps)
             for d in live:
                 if d.pending is not None:
                     self._answer(d, caps)
+            if progress is not None:  # whole dialogues finished so far, and their tokens (the policy's and inserted)
+                ended = [d for d in dialogues if d.finish is not None]
+                progress(len(ended), sum(len(d.after) - d.start for d in ended))
 
     def _turn_done(self, d: Dialogue, s: Sample, caps: Caps) -> None:
         """Take in the policy's turn and start what answers it: a tool call, a message for a call left open, an

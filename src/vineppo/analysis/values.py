@@ -249,7 +249,7 @@ def records_of(nodes: list[Node]) -> list | None:
 
 def rollout_rewards(engine, tokenizer, score: Scorer, nodes: list[Node], k: int,
                     params: SamplingParams, generator: torch.Generator,
-                    progress: Callable[[int], None] | None = None) -> tuple[list[list[float]], list[list[int]]]:
+                    progress: Callable[[int, int], None] | None = None) -> tuple[list[list[float]], list[list[int]]]:
     """k continuation rewards and token counts per state from ONE batched engine job; a terminal state gets its
     reward k times, at no token cost."""
     live = [i for i, n in enumerate(nodes) if n.terminal is None]
@@ -312,7 +312,7 @@ def analyze(engine, tokenizer, task, examples: list, study: Study = Study(),
     total = k * sum(n.terminal is None for n in nodes)
     t1 = time.perf_counter()
     rewards, tokens = rollout_rewards(engine, tokenizer, task.score, nodes, k, params, gen,
-                                      (lambda done: progress(done, total)) if progress else None)
+                                      (lambda done, tokens: progress(done, total)) if progress else None)
     t2 = time.perf_counter()
     est = [mc_estimates(r, gt_k) for r in rewards]
     spent = [compute_costs(r, t, gt_k, e) for r, t, e in zip(rewards, tokens, est)]  # adds adaptive estimates to e

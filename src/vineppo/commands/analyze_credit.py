@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(name: str):
         bar.update(job, completed=0, total=None, status=name)
-        return lambda done: bar.update(job, completed=done)
+        return lambda done, tokens: bar.update(job, completed=done)
 
     turns = got.task.agent is not None
     with bar:

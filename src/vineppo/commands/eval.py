@@ -16,6 +16,7 @@ from vineppo import agents
 from vineppo.core import config as configs
 from vineppo.core.config import ENGINES, check_engine
 from vineppo.core.errors import RolloutFault, UserError
+from vineppo.core.tracking import Meter
 from vineppo.engine.loading import LoadSpec, load
 from vineppo.models.prompts import HELP, check_format
 from vineppo.tasks import DATA_HELP, custom, get_task
@@ -74,20 +75,25 @@ def run(args: argparse.Namespace) -> int:
     with output_folder(out.parent, f"--out {out}"):  # an unwritable --out fails before a slow model load
         got = load(LoadSpec(name, task, args.prompt_format, args.data, args.data_seed, args.device, args.dtype,
                             args.engine, args.token_budget))
-    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        job, last = bar.add_task("eval", total=len(examples) * (args.samples + 1)), [0]
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        total = len(examples) * (args.samples + 1)
+        job = bar.add_task("eval", total=total)
 
-        def tick(done: int) -> None:  # the engine reports finished samples, counting from 0 in each batch job
-            bar.advance(job, done - last[0] if done >= last[0] else done)
-            last[0] = done
+        def show(text: str) -> None:  # a terminal redraws its bar; a log gets a line every 10 s
+            if console.is_terminal:
+                bar.update(job, description=text, completed=meter.done)
+            else:
+                console.print(text, highlight=False)
 
+        meter = Meter("eval", total, show, every=0.5 if console.is_terminal else None)
         start = time.perf_counter()
         settings = EvalSettings(args.samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
         timeout = args.reward_timeout_s if args.reward_timeout_s is not None else 60.0
         engine = agents.for_task(got.engine, task, got.prompter, timeout, resume=False)
         try:
-            res = evaluate(engine, task, examples, settings, got.prompter, progress=tick)
+            res = evaluate(engine, task, examples, settings, got.prompter, progress=meter)
         except RolloutFault as fault:  # what finished before an environment's fault is written, then it stops
             out.write_text("".join(json.dumps(r) + "\n" for r in fault.rows))
             done = sum(r["samples"] + (r["greedy_text"] is not None) for r in fault.rows)

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -15,6 +16,7 @@ from vineppo.core.config import TrainConfig
 from vineppo.core.errors import UserError
 
 console = Console(stderr=True)
+PROGRESS_EVERY = 10.0  # seconds between a long phase's progress lines outside a terminal (Meter)
 _IMPORTED = time.perf_counter()  # the fallback start of the process where /proc does not say
 GPU_SIZED_TOKENS = 2_000_000  # a plan that samples more tokens than this (at the length cap) is GPU-sized on a CPU
 COMPLETIONS = "completions.jsonl"  # in the run folder: the tables of sampled responses
@@ -138,6 +140,39 @@ def plan(cfg: TrainConfig, device: str, done: int, evaluated: int) -> tuple[str,
     return line, (f"warning: GPU-sized settings on a CPU: up to {tokens / 1e6:,.1f}M tokens to sample before any Monte "
                   f"Carlo (a 135M-parameter model samples a few hundred tokens a second on a CPU core); for a CPU use "
                   f"{instead}, or a YAML file of your own (--config FILE.yaml, as examples/*/train.yaml)")
+
+
+class Meter:
+    """A long phase's progress from an engine's Progress calls (`meter(done, tokens)`): samples done (of `total` when
+    known) and tokens a second, counted over the phase's jobs (each job counts from 0 again), handed to `show` as one
+    text at most every `every` seconds (outside a terminal that makes a line, so a log is never silent for long)."""
+
+    def __init__(self, label: str, total: int | None, show: Callable[[str], None], every: float | None = None,
+                 unit: str = "samples"):
+        self.label, self.total, self.show, self.unit = label, total, show, unit
+        self.every = PROGRESS_EVERY if every is None else every
+        self.start = self.shown = time.perf_counter()
+        self.before, self.job = (0, 0), (0, 0)  # (done, tokens) of the phase's earlier jobs, and of the current one
+
+    def __call__(self, done: int, tokens: int) -> None:
+        if done < self.job[0]:  # a new job counts from 0: the last one's counts join the phase's
+            self.before = (self.before[0] + self.job[0], self.before[1] + self.job[1])
+        self.job = (done, tokens)
+        now = time.perf_counter()
+        if now - self.shown >= self.every:
+            self.shown = now
+            self.show(self.text())
+
+    @property
+    def done(self) -> int:
+        """Samples done in the phase so far."""
+        return self.before[0] + self.job[0]
+
+    def text(self) -> str:
+        """'evaluating: 320/800 samples, 1,240 tokens/s'."""
+        tokens, seconds = self.before[1] + self.job[1], max(time.perf_counter() - self.start, 1e-9)
+        of = f"/{self.total}" if self.total else ""
+        return f"{self.label}: {self.done}{of} {self.unit}" + (f", {tokens / seconds:,.0f} tokens/s" if tokens else "")
 
 
 def progress_bar(enabled: bool = True) -> Progress:

@@ -80,7 +80,7 @@ class CreditContext:
     gamma: float = _DEFAULTS.gamma
     gae_lambda: float = _DEFAULTS.gae_lambda  # GAE lambda for critic-based estimators
     scale_rewards: str = _DEFAULTS.scale_rewards  # GRPO: what divides the group-centred reward (REWARD_SCALES)
-    progress: Callable[[int], None] | None = None
+    progress: Callable[[int, int], None] | None = None  # the continuations' engine.api.Progress
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class Sample:
     # it); None for a single-turn sample
 
 
-Progress = Callable[[int], None]  # called with the number of samples finished so far in the job
+Progress = Callable[[int, int], None]  # (samples finished so far in the job, their tokens), called as they finish
 More = Callable[[int, int, list[Sample]], int]  # adaptive rounds: (i, j, samples so far) -> how many more to draw
 
 

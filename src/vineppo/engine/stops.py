@@ -37,7 +37,7 @@ class Finisher:
                  progress: Progress | None):
         self.tokenizer, self.stop, self.eos, self.cand, self.out, self.progress = tokenizer, stop, eos, cand, out, progress
         self.window = max((len(s) for s in stop), default=0) + STOP_WINDOW
-        self.done = 0  # samples finished so far in the job
+        self.done = self.tokens = 0  # samples finished so far in the job, and their tokens
 
     def check(self, batch: Batch, tok: torch.Tensor, rows: torch.Tensor | None = None) -> list[tuple[int, int]]:
         """Finish the rows (all, or the indices ``rows``) whose fresh tokens ``tok`` end them (EOS, stop, length);
@@ -63,7 +63,7 @@ class Finisher:
             self.done += len(finished)
             batch.retire(finished)
             if self.progress is not None:
-                self.progress(self.done)
+                self.progress(self.done, self.tokens)
         return written
 
     def _reason(self, batch: Batch, row: int, n: int, f: int) -> str | None:
@@ -79,6 +79,7 @@ class Finisher:
     def _emit(self, batch: Batch, row: int, n: int, reason: str) -> tuple[int, int]:
         """Write row ``row``'s sample of ``n`` tokens into ``out``; its (i, j)."""
         ids = batch.tok[row, :n].tolist()
+        self.tokens += n
         i, j, c = batch.meta[row]
         self.out[i][j][c] = Sample(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
                                    logprobs=batch.lp[row, :n].tolist(), finish_reason=reason,

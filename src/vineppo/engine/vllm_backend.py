@@ -250,7 +250,8 @@ def _process_state_kept():
 
 
 def _progress_bar(progress: Progress):
-    """A tqdm class for vLLM's ``use_tqdm``: it draws nothing and reports finished samples to ``progress``."""
+    """A tqdm class for vLLM's ``use_tqdm``: it draws nothing and reports finished samples to ``progress`` (their
+    tokens as 0: vLLM's bar does not count them)."""
     from tqdm import tqdm  # a dependency of vLLM
 
     class Bar(tqdm):
@@ -260,7 +261,7 @@ def _progress_bar(progress: Progress):
         def update(self, n=1):
             shown = super().update(n)
             if "Processed" in (self.desc or ""):  # vLLM counts finished samples; its other bars render prompts
-                progress(int(self.n))
+                progress(int(self.n), 0)
             return shown
 
     return Bar

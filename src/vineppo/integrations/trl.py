@@ -190,7 +190,8 @@ class TRLRollouts:
             for (i, j, _), samples in zip(jobs, drawn):
                 out[i][j] += samples
             if req.progress is not None:
-                req.progress(sum(len(s) for per in out for s in per))
+                req.progress(sum(len(s) for per in out for s in per),
+                             sum(len(x.token_ids) for per in out for s in per for x in s))
             want = [(i, j, req.more(i, j, out[i][j])) for i, j, _ in jobs] if req.more is not None else []
 
     def draw(self, jobs: list[tuple[list[int], int, int]]) -> list[list[Sample]] | None:

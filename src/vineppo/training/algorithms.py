@@ -26,6 +26,7 @@ from vineppo.core import distributed as dist
 from vineppo.core.config import TrainConfig
 from vineppo.core.errors import UserError
 from vineppo.core.grading import Scorer
+from vineppo.core.tracking import Meter
 from vineppo.credit import (Credit, CreditContext, Episode, get_estimator, groups, needs, nonzero_tokens, normalise,
                             token_mean_std)
 from vineppo.engine import RolloutEngine, SamplingParams
@@ -110,7 +111,8 @@ def assign_credit(episodes: list[Episode], ctx: Context) -> tuple[Credit, dict[s
     critic = parallel.unwrap(ctx.models.critic) if ctx.models.critic is not None else None
     credit_ctx = configs.section(CreditContext, cfg, rollouts=mc_engine if needs(cfg.estimator).rollouts else None,
                                  tokenizer=ctx.tokenizer, score=ctx.score, critic=critic, params=ctx.params,
-                                 generator=ctx.generator)
+                                 generator=ctx.generator, progress=Meter("credit assignment", None, ctx.status,
+                                                                         unit="continuations"))
     with ctx.sampling():
         credit = get_estimator(cfg.estimator)(episodes, credit_ctx)
     metrics = dict(zip(("advantage/mean", "advantage/std"), token_mean_std(credit.advantages)))

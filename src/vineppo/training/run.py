@@ -134,6 +134,7 @@ class Run(Context):
     clock: float = 0.0  # perf_counter() at which wall_clock_s was 0 (the process start, less earlier runs' time)
     flat: int = 0  # iterations in a row without a prompt of mixed outcomes (the trainer warns once at a limit)
     warned: bool = False  # that warning was given
+    paced: bool = False  # the expected time left was said (after this process's first iteration)
 
 
 def setup(cfg: TrainConfig, out: Path, resume: bool, device: torch.device, task: Task | None = None,

@@ -28,14 +28,14 @@ from vineppo.core.errors import RewardError, UserError
 from vineppo.core.grading import outcome_rewards
 from vineppo.core.rewards import Call, Recording, TrainerState, recording
 from vineppo.core.steps import every_n_tokens, step_token_ranges, token_char_offsets
-from vineppo.core.tracking import console, plot_run
+from vineppo.core.tracking import Meter, console, plot_run
 from vineppo.credit import Episode, flat_groups, groups
 from vineppo.engine import Sample
 from vineppo.models import parallel
 from vineppo.tasks import Example, Task
 from vineppo.training import runs
 from vineppo.training.evaluation import EvalSettings, behaviour_counts, behaviour_table, evaluate
-from vineppo.training.run import Run, disk_errors, run_dir, setup
+from vineppo.training.run import Run, RunState, disk_errors, run_dir, setup
 
 NO_SIGNAL_ITERATIONS = 3  # iterations in a row without a prompt of mixed outcomes before the run warns
 TABLE_ROWS = 32  # sampled responses in each table of completions.jsonl (the first prompts' groups)
@@ -81,6 +81,9 @@ def start_evaluation(run: Run) -> None:
     run.state.start_eval_s += time.perf_counter() - t0
     run.state.start_test_pass1, run.state.start_test_behaviours = scores.get("test/pass@1"), _behaviours(scores)
     run.state.record(0, scores)
+    if dist.is_main():  # the start's score as soon as it is known, not only in the final summary
+        console.print("start: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if k.endswith("/pass@1")) +
+                      f" ({time.perf_counter() - t0:.0f}s)", highlight=False)
     run.state.wall_clock_s = time.perf_counter() - run.clock
     with disk_errors(run.out):
         run.tracker.log(0, {**scores, "time/wall_clock_s": run.state.wall_clock_s})
@@ -144,8 +147,9 @@ def sample(run: Run, it: int, gen: torch.Generator) -> Drawn:
     picked = [rng.randrange(len(run.data.train)) for _ in range(cfg.prompts_per_iter * cfg.oversample)]
     mine = [(g, run.data.train[i]) for g, i in enumerate(picked)][dist.rank()::dist.world()]
     prompt_ids = run.prompter.encode([ex for _, ex in mine])
+    meter = Meter("sampling", len(mine) * cfg.samples_per_prompt, run.bar.status)
     with parallel.sampling(run.device, cfg.dtype, run.sampler):
-        outputs = run.engine.generate(prompt_ids, cfg.samples_per_prompt, run.params, gen,
+        outputs = run.engine.generate(prompt_ids, cfg.samples_per_prompt, run.params, gen, meter,
                                       examples=[ex for _, ex in mine])
     return Drawn(mine, prompt_ids, outputs)
 
@@ -220,7 +224,25 @@ def record(run: Run, it: int, metrics: dict[str, float], graded: Graded, spent: 
     run.bar.advance(status)
     if dist.is_main() and not console.is_terminal:
         console.print(f"iter {done}/{cfg.iterations} {status} ({state.wall_clock_s:.0f}s)")
+    if not run.paced and not last and dist.is_main():
+        run.paced = True
+        console.print(pace(cfg, done, spent, state), highlight=False, soft_wrap=True)
     return last
+
+
+def pace(cfg: TrainConfig, done: int, spent: float, state: RunState) -> str:
+    """The time the run has left, from what its first iteration here (`spent` training seconds) and its start's
+    evaluation measured: iterations left (fewer where --time-budget-s ends it) and evaluations left."""
+    left = cfg.iterations - done
+    if cfg.time_budget_s > 0:
+        left = min(left, max(0, int((cfg.time_budget_s - state.train_s) // max(spent, 1e-9))))
+    every = [i for i in range(done + 1, done + left + 1) if cfg.eval_every and i % cfg.eval_every == 0]
+    evals = (len(every) + int(left > 0 and done + left not in every)) if cfg.eval_problems else 0  # and the last
+    measured = f"iteration {done} took {spent:.0f} s" + (f" and an evaluation {state.start_eval_s:.0f} s"
+                                                        if evals and state.start_eval_s else "")
+    seconds = left * spent + evals * state.start_eval_s
+    return (f"pace: {measured}: about {seconds / 60:.0f} minutes more ({left} iteration{'s' * (left != 1)}, "
+            f"{evals} evaluation{'s' * (evals != 1)}; checkpoints not counted)")
 
 
 def budget_spent(budget_s: float, train_s: float, spent: float) -> bool:
@@ -244,8 +266,9 @@ def evaluate_policy(run: Run, iteration: int) -> dict[str, float]:
             if not examples:
                 continue
             mine = examples[dist.rank()::dist.world()]
+            meter = Meter(f"evaluating {key.split('/')[0]}", len(mine) * (settings.samples + 1), run.bar.status)
             with parallel.sampling(run.device, cfg.dtype, run.models.trained.policy):
-                result = evaluate(run.eval_engine, run.task, mine, settings, run.prompter)
+                result = evaluate(run.eval_engine, run.task, mine, settings, run.prompter, progress=meter)
             total, n = dist.all_sum([result["pass@1"] * len(mine), float(len(mine))])
             scores[key] = total / max(n, 1)
             if run.task.behaviour and key == "test/pass@1":  # which ways of answering the samples took, how well
