@@ -448,7 +448,52 @@ def _turn_credit(text: str) -> Callable[[dict], str]:
     return render
 
 
+FIRST_RUN = "results/first-run/first-run.json"
+
+
+def _first_run(r: dict) -> tuple[str, str]:
+    """The start and final test pass@1 of the first-run measurement."""
+    return f"{r['summary']['start_test_pass@1']:.2f}", f"{r['summary']['final_test_pass@1']:.2f}"
+
+
+PREP = "results/regimes/prep"
+
+
+def _h8(r: dict) -> str:
+    """H8's cost sentence of the regimes study's prep README."""
+    e, v, s = (r[m]["median_iteration_s"] for m in ("vineppo-entropy", "vineppo", "vineppo-scale"))
+    return f"took {e:.2f} s against {v:.2f} s for `vineppo` and {s:.2f} s for `vineppo-scale`: {e / v:.2f}× VinePPO's"
+
+
 FIGURES = [
+    Figure(f"{PREP}/README.md", "took 2.73 s against 2.79 s for `vineppo` and 2.88 s for `vineppo-scale`: 0.98× "
+           "VinePPO's", (f"{PREP}/iteration.json",), _h8),
+    Figure("results/README.md", "an iteration with entropy states costs 0.98× VinePPO's", (f"{PREP}/iteration.json",),
+           lambda r: "an iteration with entropy states costs {:.2f}× VinePPO's".format(
+               r["vineppo-entropy"]["median_iteration_s"] / r["vineppo"]["median_iteration_s"])),
+    Figure(f"{PREP}/README.md", "1.05 s against 1.13 s", (f"{PREP}/iteration.json",),
+           lambda r: f"{r['vineppo-entropy']['median_credit_s']:.2f} s against {r['vineppo']['median_credit_s']:.2f} s"),
+    Figure(f"{PREP}/README.md", "160 new tokens: pass@1 0.205", (f"{PREP}/start-train.json",),
+           lambda r: f"160 new tokens: pass@1 {r['pass@1']:.3f}"),
+    Figure(f"{PREP}/README.md", "the 615 of those 2,000", (f"{PREP}/start-train.json",),
+           lambda r: "the {} of those {:,}".format(
+               sum(1 for line in (ROOT / PREP / "hard-ids.txt").read_text().splitlines() if not line.startswith("#")),
+               r["problems"])),
+    Figure(f"{PREP}/README.md", "`cutoff_tokens` 37 (the 60th percentile of the careful samples' lengths; cuts 0.384 "
+           "of them), `long_tokens` 168", (f"{PREP}/select.json",),
+           lambda r: f"`cutoff_tokens` {r['cutoff_tokens']} (the {100 * r['cutoff_tokens_from']['quantile']:.0f}th "
+                     f"percentile of the careful samples' lengths; cuts {r['cutoff_tokens_from']['cut_share']:.3f} of "
+                     f"them), `long_tokens` {r['long_tokens']}"),
+    Figure(f"{PREP}/README.md", "500 training problems × 8: pass@1 0.050", (f"{PREP}/long-train.json",),
+           lambda r: f"{r['problems']} training problems × {r['samples']}: pass@1 {r['pass@1']:.3f}"),
+    Figure("README.md", "6.6 minutes from the command to its exit on an idle 2-core CPU, mental-math 0.41 → 0.84",
+           (FIRST_RUN,), lambda r: f"{r['process_wall_s'] / 60:.1f} minutes from the command to its exit on an idle "
+                                   "2-core CPU, mental-math {} → {}".format(*_first_run(r))),
+    Figure("results/README.md", "397 s from the command to its exit, alone on an idle 2-core CPU (the end of iteration "
+           "1 at 82 s); test pass@1 0.41 → 0.84", (FIRST_RUN,),
+           lambda r: f"{r['process_wall_s']:.0f} s from the command to its exit, alone on an idle 2-core CPU (the end "
+                     f"of iteration 1 at {r['end_of_iteration_1_s']:.0f} s); test pass@1 "
+                     "{} → {}".format(*_first_run(r))),
     Figure("README.md", "18.0 / 3.9 / 6.4", SFT_EVALS, _pass1),
     Figure("README.md", "47.7 / 40.6 / 38.7", FINAL_EVALS, _pass1),
     Figure("README.md", "+30 to +37 points", SFT_EVALS + FINAL_EVALS, _gain_range),
