@@ -465,35 +465,64 @@ def _h8(r: dict) -> str:
     return f"took {e:.2f} s against {v:.2f} s for `vineppo` and {s:.2f} s for `vineppo-scale`: {e / v:.2f}× VinePPO's"
 
 
+TRL = "results/trl/trl.json"
+TRL_NAMES = {"grpo": "GRPO", "tempo": "TEMPO", "vineppo": "VinePPO"}
+
+
+def _trl(text: str) -> Callable[[dict], str]:
+    """`text` with the TRL measurement's figures from trl.json: a table row per method ({row_grpo}, ...), the
+    paired differences ({trl_vine}, {trl_tempo}, {nat_vine}, {nat_tempo}, {behind}, {grpo_s}), the step ratios and
+    the phases' seconds ({ratio_trl}, {ratio_native}, {ratio_of}, {mc_trl}, {mc_native}, ...), the starts."""
+    def pm(d: dict, sign: bool = True) -> str:
+        return f"{d['mean']:{'+' if sign else ''}.3f} ± {d['se']:.3f}"
+
+    def render(r: dict) -> str:
+        trl, nat = r["arith"]["trl"], r["arith"]["native"]
+        f = {}
+        for m, name in TRL_NAMES.items():
+            a, b = trl["methods"][m], nat["methods"][m]
+            ph = a["seconds_per_step_by_phase"]
+            f[f"row_{m}"] = (f"| {name} | {pm(a['final_pass@1'], False)} | {a['seconds_per_step']['mean']:.2f} "
+                             f"({ph['generation']:.2f} / {ph.get('mc', ph.get('credit')):.2f} / {ph['update']:.2f}) | "
+                             f"{pm(b['final_pass@1'], False)} | {b['seconds_per_step']['mean']:.2f} |")
+        f.update(trl_vine=pm(trl["vineppo/grpo"]["equal_steps"]), trl_tempo=pm(trl["tempo/grpo"]["equal_steps"]),
+                 nat_vine=pm(nat["vineppo/grpo"]["equal_steps"]), nat_tempo=pm(nat["tempo/grpo"]["equal_steps"]),
+                 behind=f"{-trl['vineppo/grpo']['at_grpo_seconds']['mean']:.3f} ± "
+                        f"{trl['vineppo/grpo']['at_grpo_seconds']['se']:.3f}",
+                 grpo_s=f"{trl['methods']['grpo']['curve'][-1]['seconds']:.0f}",
+                 ratio_trl=f"{trl['vineppo/grpo']['step_ratio']:.2f}", ratio_native=f"{nat['vineppo/grpo']['step_ratio']:.2f}",
+                 ratio_of=f"{r['arith']['vineppo_step_ratio_trl_over_native']:.2f}",
+                 tempo_trl=f"{trl['tempo/grpo']['step_ratio']:.2f}", tempo_native=f"{nat['tempo/grpo']['step_ratio']:.2f}",
+                 mc_trl=f"{trl['methods']['vineppo']['seconds_per_step_by_phase']['mc']:.2f}",
+                 mc_native=f"{nat['methods']['vineppo']['seconds_per_step_by_phase']['credit']:.2f}",
+                 grpo_trl=f"{trl['methods']['grpo']['seconds_per_step']['mean']:.2f}",
+                 grpo_native=f"{nat['methods']['grpo']['seconds_per_step']['mean']:.2f}",
+                 grpo_x=f"{trl['methods']['grpo']['seconds_per_step']['mean'] / nat['methods']['grpo']['seconds_per_step']['mean']:.1f}",
+                 gen_trl=f"{trl['methods']['grpo']['seconds_per_step_by_phase']['generation']:.2f}",
+                 gen_native=f"{nat['methods']['grpo']['seconds_per_step_by_phase']['generation']:.2f}",
+                 up_trl=f"{trl['methods']['grpo']['seconds_per_step_by_phase']['update']:.2f}",
+                 up_native=f"{nat['methods']['grpo']['seconds_per_step_by_phase']['update']:.2f}",
+                 start_trl=f"{trl['methods']['grpo']['curve'][0]['test_pass@1']:.3f}",
+                 start_native=f"{nat['methods']['grpo']['curve'][0]['test_pass@1']:.3f}",
+                 fin_grpo=f"{trl['methods']['grpo']['final_pass@1']['mean']:.3f}",
+                 fin_tempo=f"{trl['methods']['tempo']['final_pass@1']['mean']:.3f}",
+                 fin_vine=f"{trl['methods']['vineppo']['final_pass@1']['mean']:.3f}")
+        return text.format(**f)
+    return render
+
+
+QUOTED_TRL = dict(
+    row_grpo="| GRPO | 0.450 ± 0.006 | 2.09 (0.81 / 0.00 / 1.28) | 0.461 ± 0.012 | 0.40 |",
+    row_tempo="| TEMPO | 0.452 ± 0.020 | 2.09 (0.82 / 0.00 / 1.27) | 0.444 ± 0.004 | 0.41 |",
+    row_vineppo="| VinePPO | 0.448 ± 0.011 | 9.15 (0.83 / 7.06 / 1.27) | 0.430 ± 0.005 | 0.67 |",
+    trl_vine="-0.002 ± 0.017", trl_tempo="+0.002 ± 0.024", nat_vine="-0.031 ± 0.016", nat_tempo="-0.017 ± 0.008",
+    behind="0.060 ± 0.005", grpo_s="167", ratio_trl="4.38", ratio_native="1.68", ratio_of="2.61", tempo_trl="1.00",
+    tempo_native="1.02", mc_trl="7.06", mc_native="0.27", grpo_trl="2.09", grpo_native="0.40", grpo_x="5.2",
+    gen_trl="0.81", gen_native="0.11", up_trl="1.28", up_native="0.29", start_trl="0.158", start_native="0.162",
+    fin_grpo="0.450", fin_tempo="0.452", fin_vine="0.448")
+
+
 FIGURES = [
-    Figure(f"{PREP}/README.md", "took 2.73 s against 2.79 s for `vineppo` and 2.88 s for `vineppo-scale`: 0.98× "
-           "VinePPO's", (f"{PREP}/iteration.json",), _h8),
-    Figure("results/README.md", "an iteration with entropy states costs 0.98× VinePPO's", (f"{PREP}/iteration.json",),
-           lambda r: "an iteration with entropy states costs {:.2f}× VinePPO's".format(
-               r["vineppo-entropy"]["median_iteration_s"] / r["vineppo"]["median_iteration_s"])),
-    Figure(f"{PREP}/README.md", "1.05 s against 1.13 s", (f"{PREP}/iteration.json",),
-           lambda r: f"{r['vineppo-entropy']['median_credit_s']:.2f} s against {r['vineppo']['median_credit_s']:.2f} s"),
-    Figure(f"{PREP}/README.md", "160 new tokens: pass@1 0.205", (f"{PREP}/start-train.json",),
-           lambda r: f"160 new tokens: pass@1 {r['pass@1']:.3f}"),
-    Figure(f"{PREP}/README.md", "the 615 of those 2,000", (f"{PREP}/start-train.json",),
-           lambda r: "the {} of those {:,}".format(
-               sum(1 for line in (ROOT / PREP / "hard-ids.txt").read_text().splitlines() if not line.startswith("#")),
-               r["problems"])),
-    Figure(f"{PREP}/README.md", "`cutoff_tokens` 37 (the 60th percentile of the careful samples' lengths; cuts 0.384 "
-           "of them), `long_tokens` 168", (f"{PREP}/select.json",),
-           lambda r: f"`cutoff_tokens` {r['cutoff_tokens']} (the {100 * r['cutoff_tokens_from']['quantile']:.0f}th "
-                     f"percentile of the careful samples' lengths; cuts {r['cutoff_tokens_from']['cut_share']:.3f} of "
-                     f"them), `long_tokens` {r['long_tokens']}"),
-    Figure(f"{PREP}/README.md", "500 training problems × 8: pass@1 0.050", (f"{PREP}/long-train.json",),
-           lambda r: f"{r['problems']} training problems × {r['samples']}: pass@1 {r['pass@1']:.3f}"),
-    Figure("README.md", "6.6 minutes from the command to its exit on an idle 2-core CPU, mental-math 0.41 → 0.84",
-           (FIRST_RUN,), lambda r: f"{r['process_wall_s'] / 60:.1f} minutes from the command to its exit on an idle "
-                                   "2-core CPU, mental-math {} → {}".format(*_first_run(r))),
-    Figure("results/README.md", "397 s from the command to its exit, alone on an idle 2-core CPU (the end of iteration "
-           "1 at 82 s); test pass@1 0.41 → 0.84", (FIRST_RUN,),
-           lambda r: f"{r['process_wall_s']:.0f} s from the command to its exit, alone on an idle 2-core CPU (the end "
-                     f"of iteration 1 at {r['end_of_iteration_1_s']:.0f} s); test pass@1 "
-                     "{} → {}".format(*_first_run(r))),
     Figure("README.md", "18.0 / 3.9 / 6.4", SFT_EVALS, _pass1),
     Figure("README.md", "47.7 / 40.6 / 38.7", FINAL_EVALS, _pass1),
     Figure("README.md", "+30 to +37 points", SFT_EVALS + FINAL_EVALS, _gain_range),
@@ -759,6 +788,55 @@ FIGURES = [
         ("results/agents/README.md", "K = 9 on {k9_n}, the truth on {truth_n} and GRPO on {grpo_n}"),
         ("results/agents/README.md", "from the truth's was K = 3 {k3_d}, K = 9 {k9_d}, GRPO {grpo_d}"),
         ("examples/guess-number/README.md", "of {analysed} lost games it gave {unblamed} no credit at all"))),
+    *(Figure("docs/trl.md", text.format(**QUOTED_TRL), (TRL,), _trl(text)) for text in (
+        "{row_grpo}", "{row_tempo}", "{row_vineppo}",
+        "A VinePPO step costs {ratio_trl}× a GRPO step in TRL against {ratio_native}× in `vineppo train`",
+        "the continuations at {mc_trl} s a step against the native engine's {mc_native} s")),
+    Figure("README.md", "test pass@1 VinePPO {fin_vine}, TEMPO {fin_tempo}, GRPO {fin_grpo}); a VinePPO step costs "
+           "{ratio_trl}× a GRPO step in TRL against {ratio_native}× natively".format(**QUOTED_TRL), (TRL,),
+           _trl("test pass@1 VinePPO {fin_vine}, TEMPO {fin_tempo}, GRPO {fin_grpo}); a VinePPO step costs "
+                "{ratio_trl}× a GRPO step in TRL against {ratio_native}× natively")),
+    *(Figure("results/trl/README.md", text.format(**QUOTED_TRL), (TRL,), _trl(text)) for text in (
+        "{row_grpo}", "{row_tempo}", "{row_vineppo}",
+        "VinePPO − GRPO at 80 steps is {trl_vine} and TEMPO − GRPO {trl_tempo}",
+        "At GRPO's {grpo_s} training seconds VinePPO had made about 20 steps and was {behind} behind",
+        "VinePPO − GRPO {nat_vine} at equal iterations (not shown), TEMPO − GRPO {nat_tempo} (shown",
+        "A VinePPO step costs {ratio_trl}× a GRPO step in TRL against {ratio_native}× in `vineppo train`: {ratio_of} "
+        "times the native ratio", "{mc_trl} s a step in TRL against {mc_native} s natively",
+        "TEMPO costs what GRPO costs in both ({tempo_trl}× and {tempo_native}×)",
+        "A GRPO step takes {grpo_trl} s in TRL and {grpo_native} s in `vineppo train` ({grpo_x}×): generation and "
+        "scoring {gen_trl} against {gen_native} s", "the update {up_trl} against {up_native} s",
+        "the start's test pass@1: {start_trl} in TRL's runs, {start_native} in the native ones")),
+    Figure(f"{PREP}/README.md", "took 2.73 s against 2.79 s for `vineppo` and 2.88 s for `vineppo-scale`: 0.98× "
+           "VinePPO's", (f"{PREP}/iteration.json",), _h8),
+    Figure("results/README.md", "an iteration with entropy states costs 0.98× VinePPO's", (f"{PREP}/iteration.json",),
+           lambda r: "an iteration with entropy states costs {:.2f}× VinePPO's".format(
+               r["vineppo-entropy"]["median_iteration_s"] / r["vineppo"]["median_iteration_s"])),
+    Figure(f"{PREP}/README.md", "1.05 s against 1.13 s", (f"{PREP}/iteration.json",),
+           lambda r: f"{r['vineppo-entropy']['median_credit_s']:.2f} s against {r['vineppo']['median_credit_s']:.2f} s"),
+    Figure(f"{PREP}/README.md", "160 new tokens: pass@1 0.205", (f"{PREP}/start-train.json",),
+           lambda r: f"160 new tokens: pass@1 {r['pass@1']:.3f}"),
+    Figure(f"{PREP}/README.md", "the 615 of those 2,000", (f"{PREP}/start-train.json",),
+           lambda r: "the {} of those {:,}".format(
+               sum(1 for line in (ROOT / PREP / "hard-ids.txt").read_text().splitlines() if not line.startswith("#")),
+               r["problems"])),
+    Figure(f"{PREP}/README.md", "`cutoff_tokens` 37 (the 60th percentile of the careful samples' lengths; cuts 0.384 "
+           "of them), `long_tokens` 168", (f"{PREP}/select.json",),
+           lambda r: f"`cutoff_tokens` {r['cutoff_tokens']} (the {100 * r['cutoff_tokens_from']['quantile']:.0f}th "
+                     f"percentile of the careful samples' lengths; cuts {r['cutoff_tokens_from']['cut_share']:.3f} of "
+                     f"them), `long_tokens` {r['long_tokens']}"),
+    Figure(f"{PREP}/README.md", "500 training problems × 8: pass@1 0.050", (f"{PREP}/long-train.json",),
+           lambda r: f"{r['problems']} training problems × {r['samples']}: pass@1 {r['pass@1']:.3f}"),
+    Figure("README.md", "6.6 minutes from the command to its exit on an idle 2-core CPU, mental-math 0.41 → 0.84",
+           (FIRST_RUN,), lambda r: f"{r['process_wall_s'] / 60:.1f} minutes from the command to its exit on an idle "
+                                   "2-core CPU, mental-math {} → {}".format(*_first_run(r))),
+    Figure("docs/usage.md", "CPU, took 397 s from the command to its exit", (FIRST_RUN,),
+           lambda r: f"CPU, took {r['process_wall_s']:.0f} s from the command to its exit"),
+    Figure("results/README.md", "397 s from the command to its exit, alone on an idle 2-core CPU (the end of iteration "
+           "1 at 82 s); test pass@1 0.41 → 0.84", (FIRST_RUN,),
+           lambda r: f"{r['process_wall_s']:.0f} s from the command to its exit, alone on an idle 2-core CPU (the end "
+                     f"of iteration 1 at {r['end_of_iteration_1_s']:.0f} s); test pass@1 "
+                     "{} → {}".format(*_first_run(r))),
 ]
 
 
@@ -798,7 +876,7 @@ def test_a_figure_changed_on_its_page_alone_is_caught(tmp_path, figure):
 
 
 def test_a_results_file_changed_alone_is_caught(tmp_path):
-    figure = FIGURES[1]  # final pass@1 of the three seeds
+    figure = next(f for f in FIGURES if f.text == "47.7 / 40.6 / 38.7")  # final pass@1 of the three seeds
     root = _copy(tmp_path, [figure])
     source = root / figure.sources[0]
     data = json.loads(source.read_text())
