@@ -10,6 +10,7 @@ bottom plant both.
 from __future__ import annotations
 
 import json
+import statistics
 import re
 import shutil
 from collections.abc import Callable
@@ -522,6 +523,27 @@ QUOTED_TRL = dict(
     fin_grpo="0.450", fin_tempo="0.452", fin_vine="0.448")
 
 
+EXAMPLE_RUNS = tuple(f"results/examples/mental-math/{a}-s{s}-metrics.jsonl" for a in ("grpo", "vineppo") for s in (0, 1))
+
+
+def _trl_mental_math(r: dict, *runs: list[dict]) -> str:
+    """The mental-math paragraph of results/trl/README.md: TRL's curve ends, seconds a step, and the native runs'."""
+    mm = r["mental-math"]
+    end = {m: mm[m]["curve"][-1]["test_pass@1"] for m in ("grpo", "tempo", "vineppo")}
+    step = {m: mm[m]["seconds_per_step_total"] for m in ("grpo", "tempo", "vineppo")}
+    native = [statistics.mean([x for x in rows if "time/train_s" in x][-1]["time/train_s"] / 20 for rows in pair)
+              for pair in (runs[:2], runs[2:])]
+    return (f"went from {mm['grpo']['curve'][0]['test_pass@1']:.3f} to {end['grpo']:.3f} (GRPO), {end['tempo']:.3f} "
+            f"(TEMPO) and {end['vineppo']:.3f} (VinePPO), one seed each, so not a comparison of the methods. A step took "
+            f"{step['grpo']:.1f} s (GRPO), {step['tempo']:.1f} s (TEMPO) and {step['vineppo']:.1f} s (VinePPO: "
+            f"{mm['vineppo']['seconds_per_step']['mc']:.1f} s of it Monte Carlo), {mm['vineppo/grpo step_ratio']:.2f}× "
+            f"GRPO's; TRL's generation and scoring took {mm['grpo']['seconds_per_step']['generation']:.1f} s a step and "
+            f"its update {mm['grpo']['seconds_per_step']['update']:.1f} s. `vineppo train`'s filed runs of the same "
+            f"example ([`results/examples/`](../examples/README.md), one core each) took {native[0]:.1f} s (GRPO) and "
+            f"{native[1]:.1f} s (VinePPO) a step: TRL on two threads was {step['grpo'] / native[0]:.1f}× slower than "
+            "the native trainer on one.")
+
+
 FIGURES = [
     Figure("README.md", "18.0 / 3.9 / 6.4", SFT_EVALS, _pass1),
     Figure("README.md", "47.7 / 40.6 / 38.7", FINAL_EVALS, _pass1),
@@ -788,6 +810,10 @@ FIGURES = [
         ("results/agents/README.md", "K = 9 on {k9_n}, the truth on {truth_n} and GRPO on {grpo_n}"),
         ("results/agents/README.md", "from the truth's was K = 3 {k3_d}, K = 9 {k9_d}, GRPO {grpo_d}"),
         ("examples/guess-number/README.md", "of {analysed} lost games it gave {unblamed} no credit at all"))),
+    *(Figure("docs/results.md", text.format(**QUOTED_TRL), (TRL,), _trl(text)) for text in (
+        "{row_grpo}", "{row_tempo}", "{row_vineppo}", "(VinePPO − GRPO {trl_vine}, not shown)",
+        "VinePPO is {behind} behind (shown): a VinePPO step costs {ratio_trl}× a GRPO step there, against "
+        "{ratio_native}× natively", "at {mc_trl} s a step where vineppo's engine takes {mc_native} s")),
     *(Figure("docs/trl.md", text.format(**QUOTED_TRL), (TRL,), _trl(text)) for text in (
         "{row_grpo}", "{row_tempo}", "{row_vineppo}",
         "A VinePPO step costs {ratio_trl}× a GRPO step in TRL against {ratio_native}× in `vineppo train`",
@@ -837,6 +863,13 @@ FIGURES = [
            lambda r: f"{r['process_wall_s']:.0f} s from the command to its exit, alone on an idle 2-core CPU (the end "
                      f"of iteration 1 at {r['end_of_iteration_1_s']:.0f} s); test pass@1 "
                      "{} → {}".format(*_first_run(r))),
+    Figure("results/trl/README.md", (
+        "went from 0.344 to 0.549 (GRPO), 0.627 (TEMPO) and 0.693 (VinePPO), one seed each, so not a "
+        "comparison of the methods. A step took 95.6 s (GRPO), 96.4 s (TEMPO) and 120.0 s (VinePPO: 22.7 s of "
+        "it Monte Carlo), 1.26× GRPO's; TRL's generation and scoring took 48.2 s a step and its update 47.3 "
+        "s. `vineppo train`'s filed runs of the same example ([`results/examples/`](../examples/README.md), "
+        "one core each) took 23.6 s (GRPO) and 28.4 s (VinePPO) a step: TRL on two threads was 4.0× slower "
+        "than the native trainer on one."), (TRL, *EXAMPLE_RUNS), _trl_mental_math),
 ]
 
 
