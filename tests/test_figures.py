@@ -810,6 +810,10 @@ FIGURES = [
         ("results/agents/README.md", "K = 9 on {k9_n}, the truth on {truth_n} and GRPO on {grpo_n}"),
         ("results/agents/README.md", "from the truth's was K = 3 {k3_d}, K = 9 {k9_d}, GRPO {grpo_d}"),
         ("examples/guess-number/README.md", "of {analysed} lost games it gave {unblamed} no credit at all"))),
+    *(Figure("results/README.md", text.format(**QUOTED_TRL), (TRL,), _trl(text)) for text in (
+        "test pass@1 VinePPO {fin_vine}, TEMPO {fin_tempo}, GRPO {fin_grpo}, 3 seeds); a VinePPO step costs {ratio_trl}× "
+        "a GRPO step in TRL against {ratio_native}× natively, its Monte Carlo {mc_trl} s a step through TRL's "
+        "generation against {mc_native} s",)),
     *(Figure("docs/results.md", text.format(**QUOTED_TRL), (TRL,), _trl(text)) for text in (
         "{row_grpo}", "{row_tempo}", "{row_vineppo}", "(VinePPO − GRPO {trl_vine}, not shown)",
         "VinePPO is {behind} behind (shown): a VinePPO step costs {ratio_trl}× a GRPO step there, against "
