@@ -303,8 +303,8 @@ def test_gpu_sized_settings_on_a_cpu_are_warned_with_the_preset_to_use():
     assert plan(paper, "cuda", 0, 100)[1] is None  # the same settings are a GPU's
     small = configs.resolve(configs.load_preset("custom-cpu"), {"model": "m", "reward": ["r.py:f"]})
     assert plan(small, "cpu", 0, 61) == ("plan: 10 iterations x 8 prompts x 8 responses x at most 48 tokens; Monte "
-                                         "Carlo: K = 3 continuations from each of at most 25 states per response; 3 "
-                                         "evaluations of 61 problems x 4 samples", None)
+                                         "Carlo: K = 3 continuations from each of the states budget:2 picks per "
+                                         "response (at most 25); 3 evaluations of 61 problems x 2 samples", None)
     assert "--config arith-tiny" in plan(configs.resolve({}, {}), "cpu", 0, 500)[1]
     assert plan(small, "cpu", 5, 61)[0].startswith("plan: 5 iterations")  # a resume plans what is left
     assert plan(configs.resolve({}, {"eval_problems": 0}), "cpu", 0, 0)[0].endswith("no evaluation")

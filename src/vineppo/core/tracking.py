@@ -119,8 +119,10 @@ def plan(cfg: TrainConfig, device: str, done: int, evaluated: int) -> tuple[str,
     left = cfg.iterations - done
     every = [i for i in range(done + 1, cfg.iterations + 1) if cfg.eval_every and i % cfg.eval_every == 0]
     evals = (len(every) + (cfg.iterations not in every) + (done == 0)) if evaluated else 0
-    mc = (f"Monte Carlo: K = {cfg.mc_k} continuations from each of at most {cfg.mc_max_states} states per response"
-          if cfg.estimator == "vine" else "no Monte Carlo")
+    states = (f"at most {cfg.mc_max_states} states per response" if cfg.mc_states == "all" else
+              f"the states {cfg.mc_states} picks per response (at most {cfg.mc_max_states})")
+    mc = f"Monte Carlo: K = {cfg.mc_k} continuations from each of {states}" if cfg.estimator == "vine" else \
+        "no Monte Carlo"
     plural = lambda n, word: f"{n} {word}" + "s" * (n != 1)  # noqa: E731
     evaluation = (f"{plural(evals, 'evaluation')} of {evaluated} problems x {cfg.eval_samples} samples" if evals
                   else "no evaluation")
