@@ -496,18 +496,16 @@ def _trl(text: str) -> Callable[[dict], str]:
                  tempo_trl=f"{trl['tempo/grpo']['step_ratio']:.2f}", tempo_native=f"{nat['tempo/grpo']['step_ratio']:.2f}",
                  mc_trl=f"{trl['methods']['vineppo']['seconds_per_step_by_phase']['mc']:.2f}",
                  mc_native=f"{nat['methods']['vineppo']['seconds_per_step_by_phase']['credit']:.2f}",
-                 grpo_trl=f"{trl['methods']['grpo']['seconds_per_step']['mean']:.2f}",
-                 grpo_native=f"{nat['methods']['grpo']['seconds_per_step']['mean']:.2f}",
                  grpo_x=f"{trl['methods']['grpo']['seconds_per_step']['mean'] / nat['methods']['grpo']['seconds_per_step']['mean']:.1f}",
-                 gen_trl=f"{trl['methods']['grpo']['seconds_per_step_by_phase']['generation']:.2f}",
-                 gen_native=f"{nat['methods']['grpo']['seconds_per_step_by_phase']['generation']:.2f}",
-                 up_trl=f"{trl['methods']['grpo']['seconds_per_step_by_phase']['update']:.2f}",
-                 up_native=f"{nat['methods']['grpo']['seconds_per_step_by_phase']['update']:.2f}",
-                 start_trl=f"{trl['methods']['grpo']['curve'][0]['test_pass@1']:.3f}",
-                 start_native=f"{nat['methods']['grpo']['curve'][0]['test_pass@1']:.3f}",
                  fin_grpo=f"{trl['methods']['grpo']['final_pass@1']['mean']:.3f}",
                  fin_tempo=f"{trl['methods']['tempo']['final_pass@1']['mean']:.3f}",
                  fin_vine=f"{trl['methods']['vineppo']['final_pass@1']['mean']:.3f}")
+        for side, result in (("trl", trl), ("native", nat)):  # GRPO's step and start, in TRL and natively
+            grpo = result["methods"]["grpo"]
+            f.update({f"grpo_{side}": f"{grpo['seconds_per_step']['mean']:.2f}",
+                      f"gen_{side}": f"{grpo['seconds_per_step_by_phase']['generation']:.2f}",
+                      f"up_{side}": f"{grpo['seconds_per_step_by_phase']['update']:.2f}",
+                      f"start_{side}": f"{grpo['curve'][0]['test_pass@1']:.3f}"})
         return text.format(**f)
     return render
 
