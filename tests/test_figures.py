@@ -466,6 +466,144 @@ def _h8(r: dict) -> str:
     return f"took {e:.2f} s against {v:.2f} s for `vineppo` and {s:.2f} s for `vineppo-scale`: {e / v:.2f}× VinePPO's"
 
 
+REGIMES = "results/regimes/study.json"
+REGIME_METHODS = ("vineppo", "vineppo-scale", "vineppo-entropy", "tempo", "grpo", "grpo-scale", "dr-grpo")
+REGIME_STEP = ("vineppo", "vineppo-scale", "vineppo-entropy", "tempo")
+
+
+def _pts(d: dict, sign: bool = True) -> str:
+    """A mean ± SE in points of pass@1 ('+1.2 ± 0.8'), bold when the protocol's rule shows it."""
+    text = f"{100 * d['mean']:{'+' if sign else ''}.1f} ± {100 * d['se']:.1f}"
+    return f"**{text}**" if sign and d.get("verdict") == "shown" else text
+
+
+def _regimes_finals(study: dict) -> str:
+    """The regimes report's table of final test pass@1 per condition and method (%)."""
+    rows = []
+    for c, r in study["conditions"].items():
+        f = r["final_pass@1"]
+        rows.append(f"| `{c}` | " + " | ".join(_pts(f[m], False) for m in REGIME_METHODS) + " |")
+    return "\n".join(rows)
+
+
+def _regimes_diffs(study: dict) -> str:
+    """The regimes report's table of each per-step method's difference to Dr. GRPO and GRPO, per condition."""
+    conds = list(study["conditions"])
+    rows = []
+    for m in REGIME_STEP:
+        for b in ("dr-grpo", "grpo"):
+            rows.append(f"| `{m}` − `{b}` | " + " | ".join(_pts(study["conditions"][c]["differences"][f"{m} - {b}"])
+                                                       for c in conds) + " |")
+    return "\n".join(rows)
+
+
+def _regimes_norm(study: dict) -> str:
+    """H6's table: scale minus whitening within VinePPO and GRPO, per condition and over every pair."""
+    rows = []
+    for k, name in (("vineppo-scale - vineppo", "`vineppo-scale` − `vineppo`"), ("grpo-scale - grpo", "`grpo-scale` − `grpo`")):
+        d = study["normalisation"][k]
+        rows.append(f"| {name} | " + " | ".join(_pts(v) for v in d["per_condition"].values()) +
+                    f" | {_pts(d)} ({d['pairs']} pairs) |")
+    return "\n".join(rows)
+
+
+def _regimes_signals(study: dict) -> str:
+    """H7's table: each condition's flat-group share of Dr. GRPO's groups, VinePPO's non-zero tokens and mixed
+    states, and the lead the correlation reads, then Spearman's rho."""
+    lead = {row["condition"]: row["lead"] for row in study["lead_against_flat_groups"]["rows"]}
+    rows = []
+    for c, r in study["conditions"].items():
+        sig, vine = r["signals"]["dr-grpo"], r["signals"]["vineppo-scale"]
+        rows.append(f"| `{c}` | {sig['signal/flat_groups']:.2f} | {sig['signal/nonzero_tokens']:.2f} | "
+                    f"{vine['signal/nonzero_tokens']:.2f} | {vine['signal/mixed_states']:.2f} | {100 * lead[c]:+.1f} |")
+    rho = study["lead_against_flat_groups"]["spearman"]
+    return "\n".join(rows) + f"\n\nSpearman's rho over the {len(rows)} conditions: " + \
+        (f"{rho:+.2f}" if rho is not None else "none (fewer than 3)")
+
+
+def _regimes_matched(study: dict) -> str:
+    """H9's table: the matched training accuracy per condition and test pass@1 there."""
+    rows = []
+    for c, r in study["conditions"].items():
+        at, d = r["pass@1_at_matched_accuracy"], r["matched_differences"]
+        rows.append(f"| `{c}` | {r['matched_accuracy']:.3f} | " + " | ".join(_pts(at[m], False) for m in
+                    ("vineppo-scale", "dr-grpo", "grpo")) + f" | {_pts(d['vineppo-scale - dr-grpo'])} | "
+                    f"{_pts(d['vineppo-scale - grpo'])} |")
+    return "\n".join(rows)
+
+
+def _regimes_equal_iterations(study: dict) -> str:
+    """Beside the protocol's tests: test pass@1 at the last iteration every run of a condition evaluated, and the
+    iterations its runs reached in their seconds (mean over seeds)."""
+    rows = []
+    for c, r in study["conditions"].items():
+        at = r["pass@1_at_equal_iterations"]
+        rows.append(f"| `{c}` at iteration {r['equal_iterations']} | " + " | ".join(
+            f"{_pts(at[m], False)} ({statistics.mean(r['iterations'][m]):.0f})" for m in REGIME_METHODS) + " |")
+    return "\n".join(rows)
+
+
+def _regimes_entropy(study: dict) -> str:
+    """H8's quality: `vineppo-entropy` − `vineppo-scale` per condition."""
+    return ", ".join(f"`{c}` {_pts(r['entropy_states'])}" for c, r in study["conditions"].items())
+
+
+def _regimes_heldout(study: dict) -> str:
+    """The held-out shift's table: pass@1 on chains of 5-6 operations per condition, and VinePPO's differences."""
+    rows = []
+    for c, r in study["heldout"].items():
+        f, d = r["pass@1"], r["differences"]
+        rows.append(f"| `{c}` | " + " | ".join(_pts(f[m], False) for m in REGIME_METHODS) + " | " +
+                    " | ".join(_pts(d[f"vineppo-scale - {b}"]) for b in ("dr-grpo", "grpo")) + " |")
+    return "\n".join(rows)
+
+
+def _regimes_mental_math(study: dict) -> str:
+    """The mental-math case's table: iteration 2's advantages under each normalisation, then lengths, entropy, test."""
+    mm = study["mental_math"]
+    norms = ("whiten", "scale", "none")
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(mm[n]) for n in norms) + " |"
+
+    def at(key: str, fmt: str, its: tuple[str, ...]) -> Callable[[dict], str]:
+        return lambda r: " / ".join(format(r[key][i], fmt) for i in its)
+
+    return "\n".join([
+        row("iteration 2: raw advantage, token mean (std)", lambda r: "{:+.3f} ({:.3f})".format(
+            r["iteration_2"]["advantage/mean"], r["iteration_2"]["advantage/std"])),
+        row("iteration 2: tokens with a raw advantage of exactly 0",
+            lambda r: f"{1 - r['iteration_2']['signal/nonzero_tokens']:.3f}"),
+        row("iteration 2: of the batch's tokens, zeros the normalisation moved",
+            lambda r: f"{r['iteration_2']['signal/shifted_zeros']:.3f}"),
+        row("iteration 2: the advantage the loss weighs, mean", lambda r: f"{r['iteration_2']['advantage/loss_mean']:+.3f}"),
+        row("response tokens at iterations 3 / 10", at("response_tokens", ".1f", ("3", "10"))),
+        row("entropy at iterations 3 / 10", at("entropy", ".3f", ("3", "10"))),
+        row("test pass@1 at iterations 5 / 10", at("test_pass@1", ".3f", ("5", "10")))])
+
+
+def _regimes_zero_shift(study: dict) -> str:
+    """Where whitening puts an exact zero in the mental-math case's second iteration: -mean / std."""
+    two = study["mental_math"]["whiten"]["iteration_2"]
+    return (f"Whitening subtracts the raw token mean ({two['advantage/mean']:+.3f}) from every token and divides by "
+            f"the std: each exact zero becomes {-two['advantage/mean'] / two['advantage/std']:+.3f}")
+
+
+def _grpo_plain(rows: list[dict]) -> str:
+    """The filed GRPO run of the mental-math example in plain format, seed 0: its iteration-2 raw advantage mean and
+    its test pass@1 at iteration 10."""
+    by = {r["iteration"]: r for r in rows}
+    return (f"raw advantage mean {by[2]['advantage/mean']:+.3f} at iteration 2, test pass@1 "
+            f"{by[10]['test/pass@1']:.3f} at iteration 10")
+
+
+def _vine_iterations(study: dict) -> str:
+    """The range over the conditions of VinePPO's iterations over GRPO's in the same seconds (means over seeds)."""
+    ratios = [statistics.mean(r["iterations"]["vineppo"]) / statistics.mean(r["iterations"]["grpo"])
+              for r in study["conditions"].values()]
+    return f"{min(ratios):.2f}-{max(ratios):.2f} of GRPO's iterations"
+
+
 TRL = "results/trl/trl.json"
 TRL_NAMES = {"grpo": "GRPO", "tempo": "TEMPO", "vineppo": "VinePPO"}
 
@@ -837,9 +975,6 @@ FIGURES = [
         "the start's test pass@1: {start_trl} in TRL's runs, {start_native} in the native ones")),
     Figure(f"{PREP}/README.md", "took 2.73 s against 2.79 s for `vineppo` and 2.88 s for `vineppo-scale`: 0.98× "
            "VinePPO's", (f"{PREP}/iteration.json",), _h8),
-    Figure("results/README.md", "an iteration with entropy states costs 0.98× VinePPO's", (f"{PREP}/iteration.json",),
-           lambda r: "an iteration with entropy states costs {:.2f}× VinePPO's".format(
-               r["vineppo-entropy"]["median_iteration_s"] / r["vineppo"]["median_iteration_s"])),
     Figure(f"{PREP}/README.md", "1.05 s against 1.13 s", (f"{PREP}/iteration.json",),
            lambda r: f"{r['vineppo-entropy']['median_credit_s']:.2f} s against {r['vineppo']['median_credit_s']:.2f} s"),
     Figure(f"{PREP}/README.md", "160 new tokens: pass@1 0.205", (f"{PREP}/start-train.json",),
@@ -872,6 +1007,48 @@ FIGURES = [
         "s. `vineppo train`'s filed runs of the same example ([`results/examples/`](../examples/README.md), "
         "one core each) took 23.6 s (GRPO) and 28.4 s (VinePPO) a step: TRL on two threads was 4.0× slower "
         "than the native trainer on one."), (TRL, *EXAMPLE_RUNS), _trl_mental_math),
+    # the regimes study's report and summary (results/regimes/study.json)
+    Figure('results/regimes/README.md', '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |',
+           (REGIMES,), _regimes_finals),
+    Figure('docs/results.md', '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |',
+           (REGIMES,), _regimes_finals),
+    Figure('results/regimes/README.md', '| `hard` at iteration 20 | 45.5 ± 1.0 (24) | 45.6 ± 1.0 (24) | 46.9 ± 1.1 (25) | 45.5 ± 1.0 (40) | 45.6 ± 1.6 (39) | 46.9 ± 0.7 (39) | 47.6 ± 0.6 (44) |\n| `cutoff` at iteration 25 | 30.0 ± 1.4 (30) | 29.2 ± 0.7 (30) | 30.2 ± 0.6 (30) | 30.5 ± 0.4 (48) | 30.0 ± 0.8 (47) | 30.4 ± 0.7 (48) | 30.5 ± 0.3 (53) |\n| `groups-2` at iteration 10 | 46.6 ± 0.7 (11) | 46.5 ± 0.7 (11) | 47.7 ± 1.1 (11) | 45.2 ± 1.1 (25) | 45.2 ± 0.2 (25) | 44.4 ± 1.9 (26) | 44.7 ± 0.5 (28) |\n| `groups-4` at iteration 10 | 46.8 ± 1.0 (15) | 45.8 ± 0.4 (15) | 47.4 ± 1.0 (15) | 44.5 ± 0.8 (30) | 43.9 ± 1.4 (28) | 45.4 ± 1.9 (29) | 44.9 ± 1.6 (33) |',
+           (REGIMES,), _regimes_equal_iterations),
+    Figure('results/regimes/README.md', '| `vineppo` − `dr-grpo` | -0.6 ± 0.5 | +0.1 ± 0.5 | +2.5 ± 1.3 | +0.8 ± 1.0 |\n| `vineppo` − `grpo` | -0.2 ± 1.2 | -0.9 ± 0.9 | **-1.5 ± 0.7** | +2.5 ± 2.2 |\n| `vineppo-scale` − `dr-grpo` | -1.8 ± 1.9 | +0.4 ± 0.7 | +2.3 ± 1.8 | +1.0 ± 1.2 |\n| `vineppo-scale` − `grpo` | -1.4 ± 2.4 | -0.6 ± 1.1 | -1.7 ± 1.1 | +2.8 ± 2.3 |\n| `vineppo-entropy` − `dr-grpo` | +1.5 ± 1.0 | **+1.1 ± 0.4** | +2.7 ± 2.4 | +1.5 ± 1.2 |\n| `vineppo-entropy` − `grpo` | +2.0 ± 2.1 | +0.1 ± 1.2 | -1.4 ± 1.7 | **+3.2 ± 1.6** |\n| `tempo` − `dr-grpo` | **-2.3 ± 1.1** | +0.3 ± 0.5 | +0.9 ± 1.1 | **-0.9 ± 0.2** |\n| `tempo` − `grpo` | -1.9 ± 1.3 | -0.8 ± 0.6 | **-3.1 ± 0.3** | +0.8 ± 1.1 |',
+           (REGIMES,), _regimes_diffs),
+    Figure('results/regimes/README.md', '| `vineppo-scale` − `vineppo` | -1.2 ± 2.4 | +0.3 ± 0.2 | -0.2 ± 0.5 | +0.3 ± 1.0 | -0.2 ± 0.6 (12 pairs) |\n| `grpo-scale` − `grpo` | -1.0 ± 1.0 | -0.3 ± 2.0 | **-4.0 ± 0.9** | **+2.2 ± 0.2** | -0.8 ± 0.8 (12 pairs) |',
+           (REGIMES,), _regimes_norm),
+    Figure('results/regimes/README.md', "| `hard` | 0.26 | 0.75 | 0.65 | 0.61 | -1.2 |\n| `cutoff` | 0.70 | 0.26 | 0.23 | 0.17 | +0.3 |\n| `groups-2` | 0.80 | 0.19 | 0.42 | 0.42 | +2.4 |\n| `groups-4` | 0.64 | 0.34 | 0.42 | 0.39 | +0.9 |\n\nSpearman's rho over the 4 conditions: +0.80",
+           (REGIMES,), _regimes_signals),
+    Figure('results/regimes/README.md', '| `hard` | 0.562 | 46.5 ± 0.5 | 47.4 ± 0.6 | 45.5 ± 1.5 | -0.8 ± 0.5 | +1.0 ± 2.1 |\n| `cutoff` | 0.256 | 29.6 ± 1.8 | 30.5 ± 0.4 | 30.3 ± 0.5 | -0.8 ± 2.0 | -0.7 ± 1.6 |\n| `groups-2` | 0.398 | 45.2 ± 0.4 | 44.8 ± 0.3 | 44.8 ± 0.4 | +0.4 ± 0.6 | +0.3 ± 0.7 |\n| `groups-4` | 0.436 | 46.2 ± 0.7 | 45.6 ± 1.4 | 45.4 ± 1.2 | +0.5 ± 1.8 | +0.8 ± 1.2 |',
+           (REGIMES,), _regimes_matched),
+    Figure('results/regimes/README.md', '| `hard` | 7.7 ± 0.4 | 6.5 ± 0.3 | 6.5 ± 0.3 | 7.1 ± 0.7 | 7.8 ± 0.3 | 7.1 ± 0.3 | 7.8 ± 0.7 | **-1.3 ± 0.5** | **-1.3 ± 0.1** |\n| `groups-2` | 7.6 ± 0.5 | 7.7 ± 0.6 | 7.6 ± 0.2 | 7.9 ± 1.0 | 7.4 ± 0.5 | 7.5 ± 0.2 | 7.7 ± 1.1 | +0.0 ± 1.7 | +0.3 ± 1.0 |\n| `groups-4` | 7.0 ± 0.4 | 7.1 ± 0.3 | 6.8 ± 0.6 | 6.6 ± 0.6 | 7.8 ± 0.7 | 6.8 ± 0.4 | 6.7 ± 0.6 | +0.4 ± 0.8 | -0.7 ± 1.1 |',
+           (REGIMES,), _regimes_heldout),
+    Figure('results/regimes/README.md', "| iteration 2: raw advantage, token mean (std) | -0.088 (0.353) | -0.088 (0.353) | -0.088 (0.353) |\n| iteration 2: tokens with a raw advantage of exactly 0 | 0.426 | 0.426 | 0.426 |\n| iteration 2: of the batch's tokens, zeros the normalisation moved | 0.426 | 0.000 | 0.000 |\n| iteration 2: the advantage the loss weighs, mean | +0.000 | -0.193 | -0.088 |\n| response tokens at iterations 3 / 10 | 1.0 / 1.0 | 10.8 / 11.9 | 6.5 / 12.6 |\n| entropy at iterations 3 / 10 | 0.033 / 0.005 | 0.678 / 0.344 | 0.583 / 0.376 |\n| test pass@1 at iterations 5 / 10 | 0.000 / 0.000 | 0.668 / 0.852 | 0.447 / 0.799 |",
+           (REGIMES,), _regimes_mental_math),
+    Figure('results/regimes/README.md', 'Whitening subtracts the raw token mean (-0.088) from every token and divides by the std: each exact zero becomes +0.249',
+           (REGIMES,), _regimes_zero_shift),
+    Figure('results/regimes/README.md', '`hard` +3.3 ± 1.7, `cutoff` +0.7 ± 0.4, `groups-2` +0.3 ± 0.6, `groups-4` +0.4 ± 1.1',
+           (REGIMES,), _regimes_entropy),
+    Figure('results/regimes/README.md', "0.43-0.63 of GRPO's iterations",
+           (REGIMES,), _vine_iterations),
+    Figure('docs/results.md', "0.43-0.63 of GRPO's iterations",
+           (REGIMES,), _vine_iterations),
+    Figure("results/regimes/README.md", "raw advantage mean +0.173 at iteration 2, test pass@1 0.828 at iteration 10",
+           ("results/examples/mental-math/grpo-plain-s0-metrics.jsonl",), _grpo_plain),
+    Figure("results/regimes/README.md", "its reading on the 12 pairs so far", (REGIMES,),
+           lambda r: f"its reading on the {r['normalisation']['vineppo-scale - vineppo']['pairs']} pairs so far"),
+    Figure("results/regimes/README.md", "a `vineppo-entropy` iteration took 0.98× VinePPO's", (REGIMES,),
+           lambda r: f"a `vineppo-entropy` iteration took {r['iteration']['entropy_over_vineppo']:.2f}× VinePPO's"),
+    Figure("docs/results.md", "that cuts 38% of its careful solutions", (f"{PREP}/select.json",),
+           lambda r: f"that cuts {100 * r['cutoff_tokens_from']['cut_share']:.0f}% of its careful solutions"),
+    Figure("docs/results.md", "VinePPO whitened reinforced empty replies and stayed at 0.000, scaled it reached 0.852 at "
+           "iteration 10", (REGIMES,), lambda r: "VinePPO whitened reinforced empty replies and stayed at {:.3f}, scaled "
+           "it reached {:.3f} at iteration 10".format(r["mental_math"]["whiten"]["test_pass@1"]["10"],
+                                                       r["mental_math"]["scale"]["test_pass@1"]["10"])),
+    Figure("results/README.md", "Whitening wrecks the mental-math plain seed-0 run (0.000), scaled advantages reach 0.852",
+           (REGIMES,), lambda r: "Whitening wrecks the mental-math plain seed-0 run ({:.3f}), scaled advantages reach "
+           "{:.3f}".format(r["mental_math"]["whiten"]["test_pass@1"]["10"], r["mental_math"]["scale"]["test_pass@1"]["10"])),
 ]
 
 

@@ -1,7 +1,7 @@
 """The regimes study's held-out shift (PROTOCOL.md, H9): every final model of the conditions trained on chains of 2-4
 operations (hard, groups-2, groups-4) evaluated on chains of 5-6 operations, one `vineppo eval` at a time.
 
-    python results/regimes/heldout.py --runs $SCRATCH/study --out $SCRATCH/heldout
+    python results/regimes/heldout.py --runs $SCRATCH/study --out $SCRATCH/heldout [--conditions hard] [--threads 1]
 
 Writes OUT/<condition>/<method>-s<seed>.json (the eval's scores) and .jsonl (its per-problem rows); an existing
 JSON is kept, so a stopped evaluation continues where it stopped.
@@ -24,9 +24,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--conditions", default=",".join(CONDITIONS), help="a share of them, e.g. for two side by side")
+    ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each evaluation")
     args = ap.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    for condition in CONDITIONS:
+    if unknown := set(args.conditions.split(",")) - set(CONDITIONS):
+        ap.error(f"--conditions: {', '.join(sorted(unknown))} is not one of {', '.join(CONDITIONS)}")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    for condition in args.conditions.split(","):
         for run in sorted((args.runs / condition).glob("*-s*")):
             latest = run / "checkpoints" / "latest"
             if not run.is_dir() or not latest.exists():

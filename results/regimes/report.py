@@ -3,9 +3,10 @@
     python results/regimes/report.py --runs $SCRATCH/study --choose-norm $SCRATCH/chosen-norm.json
         H6's rule on the single-turn conditions: the normalisation the game's VinePPO takes
     python results/regimes/report.py --runs $SCRATCH/study --heldout $SCRATCH/heldout --mental-math $SCRATCH \
-        --iteration $SCRATCH/iteration.json --select $SCRATCH --out results/regimes
+        --iteration results/regimes/prep/iteration.json --select results/regimes/prep --out results/regimes
 
-Copies each run's metrics.jsonl, summary.json and config.yaml to OUT/runs/<condition>/<method>-s<seed>/ and writes
+Copies each run's metrics.jsonl, summary.json and config.yaml to OUT/runs/<condition>/<method>-s<seed>/ (the
+mental-math case's to OUT/mental-math/<normalisation>/) and writes
 OUT/study.json and the plots: OUT/<condition>.png (test pass@1 against training seconds) and OUT/test-vs-train.png
 (test pass@1 against training accuracy, every condition and the filed compare runs).
 """
@@ -89,16 +90,19 @@ def condition_report(name: str, data: dict[str, dict[int, dict]]) -> dict:
     target = min(reached) if reached else None
     matched = {m: {s: v for s, p in seeds.items() if (v := at_accuracy(p, target)) is not None}
                for m, seeds in points.items()} if target is not None else {}
-    common = min((max(i for i, _, _ in r["evals"]) for seeds in data.values() for r in seeds.values()), default=0)
+    evaluated = [{i for i, _, _ in r["evals"]} for seeds in data.values() for r in seeds.values()]
+    common = max(set.intersection(*evaluated), default=0)  # the last evaluated iteration every run reached
     at = {m: [next(p for i, _, p in r["evals"] if i == common) for r in seeds.values()
               if any(i == common for i, _, _ in r["evals"])] for m, seeds in data.items()}
     return {"seeds": sorted({s for seeds in data.values() for s in seeds}),
             "final_pass@1": {m: mean_se(list(v.values())) for m, v in final.items()},
             "differences": diffs,
+            "entropy_states": paired(final["vineppo-entropy"], final["vineppo-scale"])  # H8's quality
+            if "vineppo-entropy" in final and "vineppo-scale" in final else None,
             "iterations": {m: [r["summary"]["iterations"] for r in seeds.values()] for m, seeds in data.items()},
             "train_s": {m: [r["summary"]["train_s"] for r in seeds.values()] for m, seeds in data.items()},
-            "signals": {m: {k: statistics.mean(signals(r).get(k, math.nan) for r in seeds.values())
-                            for k in SIGNALS} for m, seeds in data.items()},
+            "signals": {m: {k: statistics.mean(v[k] for v in sig) for k in SIGNALS if all(k in v for v in sig)}
+                        for m, sig in ((m, [signals(r) for r in seeds.values()]) for m, seeds in data.items())},
             "matched_accuracy": target,
             "pass@1_at_matched_accuracy": {m: mean_se(list(v.values())) for m, v in matched.items() if v},
             "matched_differences": {f"{m} - {b}": paired(matched[m], matched[b]) for m in ("vineppo-scale",)
@@ -200,16 +204,74 @@ def mental_math(folder: Path) -> dict:
     return out
 
 
+def plot_test_vs_train(panels: dict[str, dict[str, dict[int, dict]]], path: Path) -> None:
+    """H9's plot: test pass@1 against training accuracy, one panel per condition (and the filed compare runs), each
+    method's k-th evaluation averaged over its seeds (both coordinates)."""
+    import matplotlib  # only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
+
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    colours: dict[str, str] = {}  # a method keeps its colour across the panels
+    for ax, (name, data) in zip(axes.flat, panels.items()):
+        for m, seeds in data.items():
+            runs = [accuracy_points(r) for r in seeds.values()]
+            n = min(len(p) for p in runs)
+            if n:
+                ax.plot([statistics.mean(p[k][0] for p in runs) for k in range(n)],
+                        [statistics.mean(p[k][1] for p in runs) for k in range(n)], marker="o", ms=3, label=m,
+                        color=colours.setdefault(m, f"C{len(colours) % 10}"))
+        ax.set(title=name, xlabel="training accuracy (mean train reward, 5 iterations)", ylabel="test pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def copy_run(run: Path, dest: Path, scratch: Path) -> None:
+    """A run's metrics, summary and config into `dest`, the scratch folder's path written as $SCRATCH."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "summary.json", "config.yaml"):
+        (dest / name).write_text((run / name).read_text().replace(str(scratch.resolve()), "$SCRATCH"))
+
+
 def copy_runs(runs: Path, out: Path) -> None:
-    """Each finished run's metrics, summary and config under OUT/runs/<condition>/."""
+    """Each finished run's metrics, summary and config under OUT/runs/<condition>/ ($SCRATCH/study is RUNS)."""
     for c in CONDITIONS:
         for seeds in found(runs, c).values():
             for p in seeds.values():
-                dest = out / "runs" / c / p.name
-                dest.mkdir(parents=True, exist_ok=True)
-                for name in ("metrics.jsonl", "summary.json", "config.yaml"):
-                    shutil.copy(p / name, dest / name)
+                copy_run(p, out / "runs" / c / p.name, runs.parent)
 
+
+def side_files(study: dict, args: argparse.Namespace) -> None:
+    """The held-out shift and the mental-math case (their files copied to OUT), H8's cost and the selections, into
+    `study`."""
+    if args.heldout:
+        study["heldout"] = heldout(args.heldout)
+        for c in study["heldout"]:  # each evaluation's scores (its per-problem rows stay in the scratch folder)
+            (args.out / "heldout" / c).mkdir(parents=True, exist_ok=True)
+            for p in (args.heldout / c).glob("*.json"):
+                shutil.copy(p, args.out / "heldout" / c / p.name)
+    if args.mental_math:
+        study["mental_math"] = mental_math(args.mental_math)
+        for norm in study["mental_math"]:  # the case's runs, filed beside the study's
+            copy_run(args.mental_math / f"mental-math-plain-{norm}", args.out / "mental-math" / norm, args.mental_math)
+    if args.iteration:  # filed beside the selections (prep/), so read, not copied
+        it = json.loads(args.iteration.read_text())
+        study["iteration"] = {m: {"median_iteration_s": it[m]["median_iteration_s"], "ratio_to_grpo": it[m]["ratio_to_grpo"]}
+                              for m in ("vineppo", "vineppo-scale", "vineppo-entropy", "grpo") if m in it}
+        if "vineppo-entropy" in it:
+            e = it["vineppo-entropy"]["median_iteration_s"]
+            study["iteration"].update(entropy_over_vineppo=e / it["vineppo"]["median_iteration_s"],
+                                      entropy_over_grpo=e / it["grpo"]["median_iteration_s"], source=str(args.iteration))
+    if args.select:
+        study["select"] = json.loads((args.select / "select.json").read_text())
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,7 +280,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=Path)
     ap.add_argument("--mental-math", type=Path)
     ap.add_argument("--iteration", type=Path)
-    ap.add_argument("--select", type=Path, help="the folder of select.json and hard-ids.txt")
+    ap.add_argument("--select", type=Path, help="the folder of select.json")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     norm = normalisation(args.runs)
@@ -230,29 +292,23 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     copy_runs(args.runs, args.out)
-    conditions = {}
+    conditions, panels = {}, {}
     for c in CONDITIONS:
         data = {m: {s: load(p) for s, p in seeds.items()} for m, seeds in found(args.runs, c).items()}
         if data:
-            conditions[c] = condition_report(c, data)
+            conditions[c], panels[c] = condition_report(c, data), data
             plot_seconds(c, data, args.out / f"{c}.png")
+    compare = Path(__file__).resolve().parents[1] / "compare" / "runs"  # the filed compare runs, beside the study's
+    filed: dict[str, dict[int, dict]] = {}
+    for p in sorted(compare.glob("*-s*")):
+        method, seed = p.name.rsplit("-s", 1)
+        filed.setdefault(method, {})[int(seed)] = load(p)
+    if filed:
+        panels["compare (filed)"] = filed
+    if panels:
+        plot_test_vs_train(panels, args.out / "test-vs-train.png")
     study = {"conditions": conditions, "normalisation": norm, "lead_against_flat_groups": lead_against_flat(conditions)}
-    if args.heldout:
-        study["heldout"] = heldout(args.heldout)
-    if args.mental_math:
-        study["mental_math"] = mental_math(args.mental_math)
-    if args.iteration:
-        it = json.loads(args.iteration.read_text())
-        shutil.copy(args.iteration, args.out / "iteration.json")
-        study["iteration"] = {m: {"median_iteration_s": it[m]["median_iteration_s"], "ratio_to_grpo": it[m]["ratio_to_grpo"]}
-                              for m in ("vineppo", "vineppo-scale", "vineppo-entropy", "grpo") if m in it}
-        if "vineppo-entropy" in it:
-            study["iteration"]["entropy_over_vineppo"] = (it["vineppo-entropy"]["median_iteration_s"] /
-                                                         it["vineppo-scale"]["median_iteration_s"])
-    if args.select:
-        study["select"] = json.loads((args.select / "select.json").read_text())
-        for name in ("select.json", "hard-ids.txt"):
-            shutil.copy(args.select / name, args.out / name)
+    side_files(study, args)
     (args.out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
     print(json.dumps({c: {k: v["mean"] for k, v in r["differences"].items()} for c, r in conditions.items()}, indent=1))
 
