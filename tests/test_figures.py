@@ -583,10 +583,10 @@ def _regimes_mental_math(study: dict) -> str:
 
 
 def _regimes_zero_shift(study: dict) -> str:
-    """Where whitening puts an exact zero in the mental-math case's second iteration: -mean / std."""
-    two = study["mental_math"]["whiten"]["iteration_2"]
-    return (f"Whitening subtracts the raw token mean ({two['advantage/mean']:+.3f}) from every token and divides by "
-            f"the std: each exact zero becomes {-two['advantage/mean'] / two['advantage/std']:+.3f}")
+    """Where whitening puts an exact zero in the mental-math case's second iteration (report.py: -mean / std)."""
+    whiten = study["mental_math"]["whiten"]
+    return (f"Whitening subtracts the raw token mean ({whiten['iteration_2']['advantage/mean']:+.3f}) from every token "
+            f"and divides by the std: each exact zero becomes {whiten['zero_after_whitening']:+.3f}")
 
 
 def _grpo_plain(rows: list[dict]) -> str:
@@ -1008,10 +1008,8 @@ FIGURES = [
         "one core each) took 23.6 s (GRPO) and 28.4 s (VinePPO) a step: TRL on two threads was 4.0× slower "
         "than the native trainer on one."), (TRL, *EXAMPLE_RUNS), _trl_mental_math),
     # the regimes study's report and summary (results/regimes/study.json)
-    Figure('results/regimes/README.md', '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |',
-           (REGIMES,), _regimes_finals),
-    Figure('docs/results.md', '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |',
-           (REGIMES,), _regimes_finals),
+    *(Figure(page, '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |',
+             (REGIMES,), _regimes_finals) for page in ("results/regimes/README.md", "docs/results.md")),
     Figure('results/regimes/README.md', '| `hard` at iteration 20 | 45.5 ± 1.0 (24) | 45.6 ± 1.0 (24) | 46.9 ± 1.1 (25) | 45.5 ± 1.0 (40) | 45.6 ± 1.6 (39) | 46.9 ± 0.7 (39) | 47.6 ± 0.6 (44) |\n| `cutoff` at iteration 25 | 30.0 ± 1.4 (30) | 29.2 ± 0.7 (30) | 30.2 ± 0.6 (30) | 30.5 ± 0.4 (48) | 30.0 ± 0.8 (47) | 30.4 ± 0.7 (48) | 30.5 ± 0.3 (53) |\n| `groups-2` at iteration 10 | 46.6 ± 0.7 (11) | 46.5 ± 0.7 (11) | 47.7 ± 1.1 (11) | 45.2 ± 1.1 (25) | 45.2 ± 0.2 (25) | 44.4 ± 1.9 (26) | 44.7 ± 0.5 (28) |\n| `groups-4` at iteration 10 | 46.8 ± 1.0 (15) | 45.8 ± 0.4 (15) | 47.4 ± 1.0 (15) | 44.5 ± 0.8 (30) | 43.9 ± 1.4 (28) | 45.4 ± 1.9 (29) | 44.9 ± 1.6 (33) |',
            (REGIMES,), _regimes_equal_iterations),
     Figure('results/regimes/README.md', '| `vineppo` − `dr-grpo` | -0.6 ± 0.5 | +0.1 ± 0.5 | +2.5 ± 1.3 | +0.8 ± 1.0 |\n| `vineppo` − `grpo` | -0.2 ± 1.2 | -0.9 ± 0.9 | **-1.5 ± 0.7** | +2.5 ± 2.2 |\n| `vineppo-scale` − `dr-grpo` | -1.8 ± 1.9 | +0.4 ± 0.7 | +2.3 ± 1.8 | +1.0 ± 1.2 |\n| `vineppo-scale` − `grpo` | -1.4 ± 2.4 | -0.6 ± 1.1 | -1.7 ± 1.1 | +2.8 ± 2.3 |\n| `vineppo-entropy` − `dr-grpo` | +1.5 ± 1.0 | **+1.1 ± 0.4** | +2.7 ± 2.4 | +1.5 ± 1.2 |\n| `vineppo-entropy` − `grpo` | +2.0 ± 2.1 | +0.1 ± 1.2 | -1.4 ± 1.7 | **+3.2 ± 1.6** |\n| `tempo` − `dr-grpo` | **-2.3 ± 1.1** | +0.3 ± 0.5 | +0.9 ± 1.1 | **-0.9 ± 0.2** |\n| `tempo` − `grpo` | -1.9 ± 1.3 | -0.8 ± 0.6 | **-3.1 ± 0.3** | +0.8 ± 1.1 |',
@@ -1030,10 +1028,8 @@ FIGURES = [
            (REGIMES,), _regimes_zero_shift),
     Figure('results/regimes/README.md', '`hard` +3.3 ± 1.7, `cutoff` +0.7 ± 0.4, `groups-2` +0.3 ± 0.6, `groups-4` +0.4 ± 1.1',
            (REGIMES,), _regimes_entropy),
-    Figure('results/regimes/README.md', "0.43-0.63 of GRPO's iterations",
-           (REGIMES,), _vine_iterations),
-    Figure('docs/results.md', "0.43-0.63 of GRPO's iterations",
-           (REGIMES,), _vine_iterations),
+    *(Figure(page, "0.43-0.63 of GRPO's iterations", (REGIMES,), _vine_iterations)
+      for page in ("results/regimes/README.md", "docs/results.md")),
     Figure("results/regimes/README.md", "raw advantage mean +0.173 at iteration 2, test pass@1 0.828 at iteration 10",
            ("results/examples/mental-math/grpo-plain-s0-metrics.jsonl",), _grpo_plain),
     Figure("results/regimes/README.md", "its reading on the 12 pairs so far", (REGIMES,),

@@ -61,8 +61,7 @@ def test_a_condition_report_pairs_the_seeds_and_reads_every_run_at_the_accuracy_
              evals=[(0, 0.1), (5, 0.3), (10, 0.6), (14, 0.7)])
         _run(tmp_path, "groups-2", f"grpo-s{s}", 0.4 + 0.02 * s, rewards=[0.2] * 5 + [0.4] * 5,
              evals=[(0, 0.1), (5, 0.2), (10, 0.4), (12, 0.45)])
-    data = {m: {s: report.load(p) for s, p in seeds.items()} for m, seeds in report.found(tmp_path, "groups-2").items()}
-    r = report.condition_report("groups-2", data)
+    r = report.condition_report("groups-2", report.load_all(tmp_path, "groups-2"))
     d = r["differences"]["vineppo-scale - grpo"]
     assert d["values"] == pytest.approx([0.1, 0.09, 0.08]) and d["seeds"] == [0, 1, 2] and d["verdict"] == "shown"
     assert r["matched_accuracy"] == pytest.approx(0.4)  # grpo's best: every run reached it

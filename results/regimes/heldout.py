@@ -27,10 +27,11 @@ def main() -> None:
     ap.add_argument("--conditions", default=",".join(CONDITIONS), help="a share of them, e.g. for two side by side")
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each evaluation")
     args = ap.parse_args()
-    if unknown := set(args.conditions.split(",")) - set(CONDITIONS):
+    conditions = args.conditions.split(",")
+    if unknown := set(conditions) - set(CONDITIONS):
         ap.error(f"--conditions: {', '.join(sorted(unknown))} is not one of {', '.join(CONDITIONS)}")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    for condition in args.conditions.split(","):
+    for condition in conditions:
         for run in sorted((args.runs / condition).glob("*-s*")):
             latest = run / "checkpoints" / "latest"
             if not run.is_dir() or not latest.exists():

@@ -48,6 +48,11 @@ def load(folder: Path) -> dict:
     return {"rows": rows, "evals": evaluations(rows), "summary": json.loads((folder / "summary.json").read_text())}
 
 
+def load_all(runs: Path, condition: str) -> dict[str, dict[int, dict]]:
+    """method -> seed -> loaded run, for the finished runs of a condition."""
+    return {m: {s: load(p) for s, p in seeds.items()} for m, seeds in found(runs, condition).items()}
+
+
 def paired(a: dict[int, float], b: dict[int, float]) -> dict:
     """a - b over the seeds both have: mean, SE, values, and the protocol's verdict."""
     seeds = sorted(set(a) & set(b))
@@ -90,6 +95,7 @@ def condition_report(name: str, data: dict[str, dict[int, dict]]) -> dict:
     target = min(reached) if reached else None
     matched = {m: {s: v for s, p in seeds.items() if (v := at_accuracy(p, target)) is not None}
                for m, seeds in points.items()} if target is not None else {}
+    sig = {m: [signals(r) for r in seeds.values()] for m, seeds in data.items()}
     evaluated = [{i for i, _, _ in r["evals"]} for seeds in data.values() for r in seeds.values()]
     common = max(set.intersection(*evaluated), default=0)  # the last evaluated iteration every run reached
     at = {m: [next(p for i, _, p in r["evals"] if i == common) for r in seeds.values()
@@ -101,8 +107,8 @@ def condition_report(name: str, data: dict[str, dict[int, dict]]) -> dict:
             if "vineppo-entropy" in final and "vineppo-scale" in final else None,
             "iterations": {m: [r["summary"]["iterations"] for r in seeds.values()] for m, seeds in data.items()},
             "train_s": {m: [r["summary"]["train_s"] for r in seeds.values()] for m, seeds in data.items()},
-            "signals": {m: {k: statistics.mean(v[k] for v in sig) for k in SIGNALS if all(k in v for v in sig)}
-                        for m, sig in ((m, [signals(r) for r in seeds.values()]) for m, seeds in data.items())},
+            "signals": {m: {k: statistics.mean(v[k] for v in runs) for k in SIGNALS if all(k in v for v in runs)}
+                        for m, runs in sig.items()},
             "matched_accuracy": target,
             "pass@1_at_matched_accuracy": {m: mean_se(list(v.values())) for m, v in matched.items() if v},
             "matched_differences": {f"{m} - {b}": paired(matched[m], matched[b]) for m in ("vineppo-scale",)
@@ -269,7 +275,7 @@ def side_files(study: dict, args: argparse.Namespace) -> None:
         if "vineppo-entropy" in it:
             e = it["vineppo-entropy"]["median_iteration_s"]
             study["iteration"].update(entropy_over_vineppo=e / it["vineppo"]["median_iteration_s"],
-                                      entropy_over_grpo=e / it["grpo"]["median_iteration_s"], source=str(args.iteration))
+                                      source=str(args.iteration))  # over GRPO's: its ratio_to_grpo
     if args.select:
         study["select"] = json.loads((args.select / "select.json").read_text())
 
@@ -294,15 +300,11 @@ def main() -> None:
     copy_runs(args.runs, args.out)
     conditions, panels = {}, {}
     for c in CONDITIONS:
-        data = {m: {s: load(p) for s, p in seeds.items()} for m, seeds in found(args.runs, c).items()}
+        data = load_all(args.runs, c)
         if data:
             conditions[c], panels[c] = condition_report(c, data), data
             plot_seconds(c, data, args.out / f"{c}.png")
-    compare = Path(__file__).resolve().parents[1] / "compare" / "runs"  # the filed compare runs, beside the study's
-    filed: dict[str, dict[int, dict]] = {}
-    for p in sorted(compare.glob("*-s*")):
-        method, seed = p.name.rsplit("-s", 1)
-        filed.setdefault(method, {})[int(seed)] = load(p)
+    filed = load_all(Path(__file__).resolve().parents[1] / "compare", "runs")  # the filed compare runs, beside
     if filed:
         panels["compare (filed)"] = filed
     if panels:
