@@ -1,6 +1,6 @@
-"""What the pre-registered studies' reports (results/cheap-credit/report.py, results/agents/report.py) share: the
-mean and standard error over seeds, the protocols' 2-SE rule, a run's evaluations, and the plot of test pass@1
-against training seconds."""
+"""What the pre-registered studies' reports (results/cheap-credit, agents, trl and regimes: report.py) share: the
+mean and standard error over seeds, the protocols' 2-SE rule, a run's evaluations, the copy of a run's files into
+results/ and the plot of test pass@1 against training seconds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import math
 import statistics
 from pathlib import Path
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")  # what results/ keeps of a run: no weights
 
 
 def mean_se(xs: list[float]) -> dict:
@@ -29,6 +31,14 @@ def metrics(folder: Path) -> list[dict]:
 def evaluations(rows: list[dict]) -> list[tuple[int, float, float]]:
     """A run's evaluations among its metrics rows: (iteration, training seconds, test pass@1)."""
     return [(r["iteration"], r.get("time/train_s", 0.0), r["test/pass@1"]) for r in rows if "test/pass@1" in r]
+
+
+def copy_run(run: Path, dest: Path, scratch: Path, names: tuple = RUN_FILES) -> None:
+    """A run's files into `dest`, the scratch folder's path written as $SCRATCH (the commands' name for it)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (run / name).exists():
+            (dest / name).write_text((run / name).read_text().replace(str(scratch.resolve()), "$SCRATCH"))
 
 
 def plot_seconds(task: str, data: dict, path: Path) -> None:

@@ -472,8 +472,12 @@ REGIME_STEP = ("vineppo", "vineppo-scale", "vineppo-entropy", "tempo")
 
 
 def _pts(d: dict, sign: bool = True) -> str:
-    """A mean ± SE in points of pass@1 ('+1.2 ± 0.8'), bold when the protocol's rule shows it."""
-    text = f"{100 * d['mean']:{'+' if sign else ''}.1f} ± {100 * d['se']:.1f}"
+    """A mean ± SE in points of pass@1 ('+1.2 ± 0.8'), bold when the protocol's rule shows it; 'none' without a
+    value, '(1 seed)' without an SE."""
+    if d.get("mean") is None:
+        return "none"
+    text = f"{100 * d['mean']:{'+' if sign else ''}.1f}" + (f" ± {100 * d['se']:.1f}" if d["se"] is not None
+                                                              else " (1 seed)")
     return f"**{text}**" if sign and d.get("verdict") == "shown" else text
 
 
@@ -595,6 +599,15 @@ def _grpo_plain(rows: list[dict]) -> str:
     by = {r["iteration"]: r for r in rows}
     return (f"raw advantage mean {by[2]['advantage/mean']:+.3f} at iteration 2, test pass@1 "
             f"{by[10]['test/pass@1']:.3f} at iteration 10")
+
+
+def _long_iterations(study: dict) -> tuple[int, ...]:
+    """`long`'s iterations in 180 s: VinePPO's fewest and most, its seconds an iteration (rounded to 10 s), GRPO's."""
+    c = study["conditions"]["long"]
+    its, secs = c["iterations"]["vineppo"], c["train_s"]["vineppo"]
+    per = [s / i for s, i in zip(secs, its)]
+    return (min(its), max(its), 10 * round(min(per) / 10), 10 * round(max(per) / 10), min(c["iterations"]["grpo"]),
+            max(c["iterations"]["grpo"]))
 
 
 def _vine_iterations(study: dict) -> str:
@@ -1008,17 +1021,17 @@ FIGURES = [
         "one core each) took 23.6 s (GRPO) and 28.4 s (VinePPO) a step: TRL on two threads was 4.0× slower "
         "than the native trainer on one."), (TRL, *EXAMPLE_RUNS), _trl_mental_math),
     # the regimes study's report and summary (results/regimes/study.json)
-    *(Figure(page, '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |',
+    *(Figure(page, '| `hard` | 45.5 ± 1.9 | 44.3 ± 0.6 | 47.6 ± 1.4 | 43.8 ± 0.6 | 45.7 ± 1.8 | 44.7 ± 1.5 | 46.1 ± 1.4 |\n| `cutoff` | 30.3 ± 0.2 | 30.6 ± 0.0 | 31.3 ± 0.4 | 30.5 ± 0.6 | 31.2 ± 1.1 | 30.9 ± 1.2 | 30.2 ± 0.7 |\n| `groups-2` | 47.1 ± 0.4 | 47.0 ± 0.4 | 47.3 ± 0.9 | 45.5 ± 0.9 | 48.7 ± 0.7 | 44.7 ± 0.3 | 44.6 ± 1.5 |\n| `groups-4` | 46.5 ± 1.6 | 46.8 ± 1.2 | 47.2 ± 0.4 | 44.8 ± 0.9 | 44.0 ± 1.2 | 46.1 ± 1.3 | 45.7 ± 0.8 |\n| `long` | 4.8 ± 0.4 | 4.0 ± 0.1 | 4.9 ± 0.4 | 4.8 ± 0.2 | 5.8 ± 0.5 | 5.5 ± 0.3 | 5.4 ± 0.6 |',
              (REGIMES,), _regimes_finals) for page in ("results/regimes/README.md", "docs/results.md")),
-    Figure('results/regimes/README.md', '| `hard` at iteration 20 | 45.5 ± 1.0 (24) | 45.6 ± 1.0 (24) | 46.9 ± 1.1 (25) | 45.5 ± 1.0 (40) | 45.6 ± 1.6 (39) | 46.9 ± 0.7 (39) | 47.6 ± 0.6 (44) |\n| `cutoff` at iteration 25 | 30.0 ± 1.4 (30) | 29.2 ± 0.7 (30) | 30.2 ± 0.6 (30) | 30.5 ± 0.4 (48) | 30.0 ± 0.8 (47) | 30.4 ± 0.7 (48) | 30.5 ± 0.3 (53) |\n| `groups-2` at iteration 10 | 46.6 ± 0.7 (11) | 46.5 ± 0.7 (11) | 47.7 ± 1.1 (11) | 45.2 ± 1.1 (25) | 45.2 ± 0.2 (25) | 44.4 ± 1.9 (26) | 44.7 ± 0.5 (28) |\n| `groups-4` at iteration 10 | 46.8 ± 1.0 (15) | 45.8 ± 0.4 (15) | 47.4 ± 1.0 (15) | 44.5 ± 0.8 (30) | 43.9 ± 1.4 (28) | 45.4 ± 1.9 (29) | 44.9 ± 1.6 (33) |',
+    Figure('results/regimes/README.md', '| `hard` at iteration 20 | 45.5 ± 1.0 (24) | 45.6 ± 1.0 (24) | 46.9 ± 1.1 (25) | 45.5 ± 1.0 (40) | 45.6 ± 1.6 (39) | 46.9 ± 0.7 (39) | 47.6 ± 0.6 (44) |\n| `cutoff` at iteration 25 | 30.0 ± 1.4 (30) | 29.2 ± 0.7 (30) | 30.2 ± 0.6 (30) | 30.5 ± 0.4 (48) | 30.0 ± 0.8 (47) | 30.4 ± 0.7 (48) | 30.5 ± 0.3 (53) |\n| `groups-2` at iteration 10 | 46.6 ± 0.7 (11) | 46.5 ± 0.7 (11) | 47.7 ± 1.1 (11) | 45.2 ± 1.1 (25) | 45.2 ± 0.2 (25) | 44.4 ± 1.9 (26) | 44.7 ± 0.5 (28) |\n| `groups-4` at iteration 10 | 46.8 ± 1.0 (15) | 45.8 ± 0.4 (15) | 47.4 ± 1.0 (15) | 44.5 ± 0.8 (30) | 43.9 ± 1.4 (28) | 45.4 ± 1.9 (29) | 44.9 ± 1.6 (33) |\n| `long` at iteration 0 | 4.2 ± 0.2 (2) | 4.2 ± 0.2 (2) | 4.2 ± 0.2 (7) | 4.2 ± 0.2 (17) | 4.2 ± 0.2 (17) | 4.2 ± 0.2 (17) | 4.2 ± 0.2 (19) |',
            (REGIMES,), _regimes_equal_iterations),
-    Figure('results/regimes/README.md', '| `vineppo` − `dr-grpo` | -0.6 ± 0.5 | +0.1 ± 0.5 | +2.5 ± 1.3 | +0.8 ± 1.0 |\n| `vineppo` − `grpo` | -0.2 ± 1.2 | -0.9 ± 0.9 | **-1.5 ± 0.7** | +2.5 ± 2.2 |\n| `vineppo-scale` − `dr-grpo` | -1.8 ± 1.9 | +0.4 ± 0.7 | +2.3 ± 1.8 | +1.0 ± 1.2 |\n| `vineppo-scale` − `grpo` | -1.4 ± 2.4 | -0.6 ± 1.1 | -1.7 ± 1.1 | +2.8 ± 2.3 |\n| `vineppo-entropy` − `dr-grpo` | +1.5 ± 1.0 | **+1.1 ± 0.4** | +2.7 ± 2.4 | +1.5 ± 1.2 |\n| `vineppo-entropy` − `grpo` | +2.0 ± 2.1 | +0.1 ± 1.2 | -1.4 ± 1.7 | **+3.2 ± 1.6** |\n| `tempo` − `dr-grpo` | **-2.3 ± 1.1** | +0.3 ± 0.5 | +0.9 ± 1.1 | **-0.9 ± 0.2** |\n| `tempo` − `grpo` | -1.9 ± 1.3 | -0.8 ± 0.6 | **-3.1 ± 0.3** | +0.8 ± 1.1 |',
+    Figure('results/regimes/README.md', '| `vineppo` − `dr-grpo` | -0.6 ± 0.5 | +0.1 ± 0.5 | +2.5 ± 1.3 | +0.8 ± 1.0 | -0.6 ± 1.0 |\n| `vineppo` − `grpo` | -0.2 ± 1.2 | -0.9 ± 0.9 | **-1.5 ± 0.7** | +2.5 ± 2.2 | -1.0 ± 0.5 |\n| `vineppo-scale` − `dr-grpo` | -1.8 ± 1.9 | +0.4 ± 0.7 | +2.3 ± 1.8 | +1.0 ± 1.2 | -1.4 ± 0.7 |\n| `vineppo-scale` − `grpo` | -1.4 ± 2.4 | -0.6 ± 1.1 | -1.7 ± 1.1 | +2.8 ± 2.3 | **-1.7 ± 0.4** |\n| `vineppo-entropy` − `dr-grpo` | +1.5 ± 1.0 | **+1.1 ± 0.4** | +2.7 ± 2.4 | +1.5 ± 1.2 | -0.5 ± 0.5 |\n| `vineppo-entropy` − `grpo` | +2.0 ± 2.1 | +0.1 ± 1.2 | -1.4 ± 1.7 | **+3.2 ± 1.6** | -0.9 ± 0.9 |\n| `tempo` − `dr-grpo` | **-2.3 ± 1.1** | +0.3 ± 0.5 | +0.9 ± 1.1 | **-0.9 ± 0.2** | -0.6 ± 0.6 |\n| `tempo` − `grpo` | -1.9 ± 1.3 | -0.8 ± 0.6 | **-3.1 ± 0.3** | +0.8 ± 1.1 | **-1.0 ± 0.3** |',
            (REGIMES,), _regimes_diffs),
-    Figure('results/regimes/README.md', '| `vineppo-scale` − `vineppo` | -1.2 ± 2.4 | +0.3 ± 0.2 | -0.2 ± 0.5 | +0.3 ± 1.0 | -0.2 ± 0.6 (12 pairs) |\n| `grpo-scale` − `grpo` | -1.0 ± 1.0 | -0.3 ± 2.0 | **-4.0 ± 0.9** | **+2.2 ± 0.2** | -0.8 ± 0.8 (12 pairs) |',
+    Figure('results/regimes/README.md', '| `vineppo-scale` − `vineppo` | -1.2 ± 2.4 | +0.3 ± 0.2 | -0.2 ± 0.5 | +0.3 ± 1.0 | **-0.8 ± 0.3** | -0.3 ± 0.5 (15 pairs) |\n| `grpo-scale` − `grpo` | -1.0 ± 1.0 | -0.3 ± 2.0 | **-4.0 ± 0.9** | **+2.2 ± 0.2** | -0.2 ± 0.7 | -0.7 ± 0.7 (15 pairs) |',
            (REGIMES,), _regimes_norm),
-    Figure('results/regimes/README.md', "| `hard` | 0.26 | 0.75 | 0.65 | 0.61 | -1.2 |\n| `cutoff` | 0.70 | 0.26 | 0.23 | 0.17 | +0.3 |\n| `groups-2` | 0.80 | 0.19 | 0.42 | 0.42 | +2.4 |\n| `groups-4` | 0.64 | 0.34 | 0.42 | 0.39 | +0.9 |\n\nSpearman's rho over the 4 conditions: +0.80",
+    Figure('results/regimes/README.md', "| `hard` | 0.26 | 0.75 | 0.65 | 0.61 | -1.2 |\n| `cutoff` | 0.70 | 0.26 | 0.23 | 0.17 | +0.3 |\n| `groups-2` | 0.80 | 0.19 | 0.42 | 0.42 | +2.4 |\n| `groups-4` | 0.64 | 0.34 | 0.42 | 0.39 | +0.9 |\n| `long` | 0.82 | 0.15 | 0.11 | 0.10 | -1.0 |\n\nSpearman's rho over the 5 conditions: +0.30",
            (REGIMES,), _regimes_signals),
-    Figure('results/regimes/README.md', '| `hard` | 0.562 | 46.5 ± 0.5 | 47.4 ± 0.6 | 45.5 ± 1.5 | -0.8 ± 0.5 | +1.0 ± 2.1 |\n| `cutoff` | 0.256 | 29.6 ± 1.8 | 30.5 ± 0.4 | 30.3 ± 0.5 | -0.8 ± 2.0 | -0.7 ± 1.6 |\n| `groups-2` | 0.398 | 45.2 ± 0.4 | 44.8 ± 0.3 | 44.8 ± 0.4 | +0.4 ± 0.6 | +0.3 ± 0.7 |\n| `groups-4` | 0.436 | 46.2 ± 0.7 | 45.6 ± 1.4 | 45.4 ± 1.2 | +0.5 ± 1.8 | +0.8 ± 1.2 |',
+    Figure('results/regimes/README.md', '| `hard` | 0.562 | 46.5 ± 0.5 | 47.4 ± 0.6 | 45.5 ± 1.5 | -0.8 ± 0.5 | +1.0 ± 2.1 |\n| `cutoff` | 0.256 | 29.6 ± 1.8 | 30.5 ± 0.4 | 30.3 ± 0.5 | -0.8 ± 2.0 | -0.7 ± 1.6 |\n| `groups-2` | 0.398 | 45.2 ± 0.4 | 44.8 ± 0.3 | 44.8 ± 0.4 | +0.4 ± 0.6 | +0.3 ± 0.7 |\n| `groups-4` | 0.436 | 46.2 ± 0.7 | 45.6 ± 1.4 | 45.4 ± 1.2 | +0.5 ± 1.8 | +0.8 ± 1.2 |\n| `long` | 0.043 | 4.2 (1 seed) | 5.8 ± 0.5 | 4.9 ± 0.4 | -1.0 (1 seed) | none |',
            (REGIMES,), _regimes_matched),
     Figure('results/regimes/README.md', '| `hard` | 7.7 ± 0.4 | 6.5 ± 0.3 | 6.5 ± 0.3 | 7.1 ± 0.7 | 7.8 ± 0.3 | 7.1 ± 0.3 | 7.8 ± 0.7 | **-1.3 ± 0.5** | **-1.3 ± 0.1** |\n| `groups-2` | 7.6 ± 0.5 | 7.7 ± 0.6 | 7.6 ± 0.2 | 7.9 ± 1.0 | 7.4 ± 0.5 | 7.5 ± 0.2 | 7.7 ± 1.1 | +0.0 ± 1.7 | +0.3 ± 1.0 |\n| `groups-4` | 7.0 ± 0.4 | 7.1 ± 0.3 | 6.8 ± 0.6 | 6.6 ± 0.6 | 7.8 ± 0.7 | 6.8 ± 0.4 | 6.7 ± 0.6 | +0.4 ± 0.8 | -0.7 ± 1.1 |',
            (REGIMES,), _regimes_heldout),
@@ -1026,14 +1039,23 @@ FIGURES = [
            (REGIMES,), _regimes_mental_math),
     Figure('results/regimes/README.md', 'Whitening subtracts the raw token mean (-0.088) from every token and divides by the std: each exact zero becomes +0.249',
            (REGIMES,), _regimes_zero_shift),
-    Figure('results/regimes/README.md', '`hard` +3.3 ± 1.7, `cutoff` +0.7 ± 0.4, `groups-2` +0.3 ± 0.6, `groups-4` +0.4 ± 1.1',
+    Figure('results/regimes/README.md', '`hard` +3.3 ± 1.7, `cutoff` +0.7 ± 0.4, `groups-2` +0.3 ± 0.6, `groups-4` +0.4 ± 1.1, `long` +0.9 ± 0.6',
            (REGIMES,), _regimes_entropy),
-    *(Figure(page, "0.43-0.63 of GRPO's iterations", (REGIMES,), _vine_iterations)
+    *(Figure(page, "0.10-0.63 of GRPO's iterations", (REGIMES,), _vine_iterations)
       for page in ("results/regimes/README.md", "docs/results.md")),
     Figure("results/regimes/README.md", "raw advantage mean +0.173 at iteration 2, test pass@1 0.828 at iteration 10",
            ("results/examples/mental-math/grpo-plain-s0-metrics.jsonl",), _grpo_plain),
-    Figure("results/regimes/README.md", "its reading on the 12 pairs so far", (REGIMES,),
-           lambda r: f"its reading on the {r['normalisation']['vineppo-scale - vineppo']['pairs']} pairs so far"),
+    Figure("results/regimes/README.md", "over the 15 pairs, within VinePPO (-0.3 ± 0.5) or within GRPO (-0.7 ± 0.7)",
+           (REGIMES,), lambda r: "over the {} pairs, within VinePPO ({}) or within GRPO ({})".format(
+               r["normalisation"]["vineppo-scale - vineppo"]["pairs"],
+               *(_pts(r["normalisation"][k]) for k in ("vineppo-scale - vineppo", "grpo-scale - grpo")))),
+    Figure("results/regimes/README.md", "s VinePPO ran 1-2 iterations (a VinePPO iteration on these chains takes "
+           "about 70-110 s on one thread), GRPO 14-22", (REGIMES,),
+           lambda r: "s VinePPO ran {}-{} iterations (a VinePPO iteration on these chains takes about {}-{} s on one "
+                     "thread), GRPO {}-{}".format(*_long_iterations(r))),
+    Figure("docs/results.md", "VinePPO ran 1-2 iterations in 180 s to GRPO's 14-22", (REGIMES,),
+           lambda r: "VinePPO ran {}-{} iterations in 180 s to GRPO's {}-{}".format(*_long_iterations(r)[:2],
+                                                                                      *_long_iterations(r)[4:])),
     Figure("results/regimes/README.md", "a `vineppo-entropy` iteration took 0.98× VinePPO's", (REGIMES,),
            lambda r: f"a `vineppo-entropy` iteration took {r['iteration']['entropy_over_vineppo']:.2f}× VinePPO's"),
     Figure("docs/results.md", "that cuts 38% of its careful solutions", (f"{PREP}/select.json",),

@@ -24,7 +24,7 @@ pytest.importorskip("trl")
 from datasets import Dataset
 from trl import GRPOConfig
 
-from vineppo.core.config import TrainConfig, section
+from vineppo.core.config import TrainConfig, resolve, section
 from vineppo.core.grading import grade_gsm8k
 from vineppo.core.steps import make_splitter
 from vineppo.credit import Credit, CreditContext, get_estimator, normalise
@@ -230,7 +230,8 @@ def _native(trainer, fed: Fed, out: dict, algo: str) -> list[torch.Tensor]:
             drawn.append((g, Example(f"p{g}", q, "", a), prompt, Sample(ids, tok.decode(ids, skip_special_tokens=True),
                                                                         [0.0] * len(ids), "stop")))
     episodes = graded_episodes(task, tok, drawn)
-    cfg = TrainConfig(algo=algo, mc_k=3, max_new_tokens=64, steps="lines")
+    norm = resolve({}, {"algo": algo}).advantage_norm  # as `vineppo train --algo ALGO` normalises
+    cfg = TrainConfig(algo=algo, mc_k=3, max_new_tokens=64, steps="lines", advantage_norm=norm)
     estimator = {"vineppo": "vine", "tempo": "tempo"}[algo]
     ctx = section(CreditContext, cfg, rollouts=BalancedContinuations(Replay(fed)), tokenizer=tok, score=task.score,
                   critic=None, params=SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens))
@@ -242,8 +243,8 @@ def _rows_of(out: dict) -> list[torch.Tensor]:
 
 
 def test_vineppo_trainer_advantages_equal_vineppo_train_s_on_the_same_samples(tmp_path):
-    assert VinePPOConfig().advantage_norm == TrainConfig().advantage_norm  # the same option, the same default
     trainer = _trainer(tmp_path)
+    assert trainer.advantage_norm == resolve({}, {"algo": "vineppo"}).advantage_norm == "scale"  # the same default
     out, fed = _fed_batch(trainer)
     assert out["advantages"].shape == out["completion_ids"].shape
     mine, native = _rows_of(out), _native(trainer, fed, out, "vineppo")
@@ -256,6 +257,7 @@ def test_vineppo_trainer_advantages_equal_vineppo_train_s_on_the_same_samples(tm
 
 def test_tempo_trainer_advantages_equal_tempo_s_on_the_same_samples(tmp_path):
     trainer = _trainer(tmp_path, cls=TempoTrainer)
+    assert trainer.advantage_norm == resolve({}, {"algo": "tempo"}).advantage_norm == "whiten"  # tempo's own default
     out, fed = _fed_batch(trainer)
     assert fed.calls == 1  # no continuations
     mine, native = _rows_of(out), _native(trainer, fed, out, "tempo")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
-from studies import evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
+from studies import copy_run, evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
 
 TASKS = ("calculator", "guess-number")
 RUNS = ("iterations-grpo", "iterations-vineppo", "seconds-vineppo")
@@ -55,10 +55,7 @@ def task_result(root: Path, task: str, out: Path) -> dict | None:
     data = {run: {s: load(p) for s, p in seeds.items()} for run, seeds in found.items()}
     for seeds in found.values():
         for p in seeds.values():
-            dest = out / "runs" / task / p.name
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in ("metrics.jsonl", "summary.json", "config.yaml"):
-                shutil.copy(p / name, dest / name)
+            copy_run(p, out / "runs" / task / p.name, root.parent.parent)  # $SCRATCH/agents/<task> is root
     final = {run: {s: d["summary"]["final_test_pass@1"] for s, d in runs.items()} for run, runs in data.items()}
     per = lambda f: {run: f(runs) for run, runs in data.items()}  # noqa: E731 - one figure per run kind
     plot_seconds(task, data, out / f"{task}.png")

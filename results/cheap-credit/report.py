@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
-from studies import evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
+from studies import copy_run, evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
 
 NEW = ("vineppo-tree", "tempo")
 BASELINES = ("vineppo", "grpo", "dr-grpo")
@@ -40,12 +40,9 @@ def learning(runs: Path, out: Path) -> dict:
                      if (p / "summary.json").exists()} for m in METHODS}
         if not all(found.values()):
             continue
-        for m, seeds in found.items():
-            for s, p in seeds.items():
-                dest = out / "runs" / task / p.name
-                dest.mkdir(parents=True, exist_ok=True)
-                for name in ("metrics.jsonl", "summary.json", "config.yaml"):
-                    shutil.copy(p / name, dest / name)
+        for seeds in found.values():
+            for p in seeds.values():
+                copy_run(p, out / "runs" / task / p.name, runs.parent)  # $SCRATCH/study is --runs
         data = {m: {s: load(p) for s, p in seeds.items()} for m, seeds in found.items()}
         seeds = sorted(set.intersection(*(set(d) for d in data.values())))
         final = {m: {s: data[m][s]["summary"]["final_test_pass@1"] for s in seeds} for m in METHODS}

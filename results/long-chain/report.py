@@ -12,9 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
+from studies import RUN_FILES, copy_run  # noqa: E402
 
 BASELINES = ("ppo", "grpo", "rloo")
 ARMS = {"default": "default", "long": "long", "long-adaptive": "long"}  # compare folder -> task
@@ -130,11 +133,7 @@ def main() -> None:
     plot(data, out)
     for arm in ARMS:  # the raw runs: metrics, summaries, configs and final evaluations (no weights)
         for run in sorted((runs / arm / "runs").glob("*-s*")):
-            dest = out / "runs" / arm / run.name
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in ("metrics.jsonl", "summary.json", "config.yaml", "final-eval.json"):
-                if (run / name).exists():
-                    shutil.copy(run / name, dest / name)
+            copy_run(run, out / "runs" / arm / run.name, runs.parent, RUN_FILES + ("final-eval.json",))
     print(json.dumps({k: result[k] for k in ("sft", "vineppo_minus_baseline", "verdict")}, indent=1))
     for arm, algos in table.items():
         for algo, t in algos.items():

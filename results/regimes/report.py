@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
-from studies import evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
+from studies import copy_run, evaluations, mean_se, metrics, plot_seconds, shown  # noqa: E402
 
 SINGLE = ("hard", "cutoff", "groups-2", "groups-4", "long")
 CONDITIONS = SINGLE + ("game",)
@@ -238,13 +238,6 @@ def plot_test_vs_train(panels: dict[str, dict[str, dict[int, dict]]], path: Path
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def copy_run(run: Path, dest: Path, scratch: Path) -> None:
-    """A run's metrics, summary and config into `dest`, the scratch folder's path written as $SCRATCH."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "summary.json", "config.yaml"):
-        (dest / name).write_text((run / name).read_text().replace(str(scratch.resolve()), "$SCRATCH"))
 
 
 def copy_runs(runs: Path, out: Path) -> None:

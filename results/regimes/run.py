@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 
 # Each method: the `vineppo train` flags that make it (its ALGOS settings, and the study's two VinePPO variants).
+# `vineppo` and `grpo` say whitening: the default when the study ran, `scale` since (the study's H6 rule).
 METHODS = {
-    "vineppo": ["--algo", "vineppo"],  # batch whitening, the paper's normalisation
+    "vineppo": ["--algo", "vineppo", "--advantage-norm", "whiten"],  # batch whitening, the paper's normalisation
     "vineppo-scale": ["--algo", "vineppo", "--advantage-norm", "scale"],  # a zero advantage stays zero
     "vineppo-entropy": ["--algo", "vineppo", "--advantage-norm", "scale", "--mc-states", "entropy:2"],
     "tempo": ["--algo", "tempo"],
-    "grpo": ["--algo", "grpo"],
+    "grpo": ["--algo", "grpo", "--advantage-norm", "whiten"],
     "grpo-scale": ["--algo", "grpo", "--advantage-norm", "scale"],
     "dr-grpo": ["--algo", "dr-grpo"],
 }

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/studies.py, shared by the studies' reports
-from studies import evaluations, mean_se, metrics, shown  # noqa: E402
+from studies import copy_run, evaluations, mean_se, metrics, shown  # noqa: E402
 
 METHODS = ("grpo", "tempo", "vineppo")
 STEPS_PER_ITERATION = 4
@@ -42,13 +42,7 @@ def native_runs(folder: Path, out: Path) -> dict:
     runs: dict = {}
     for run in sorted(p for p in folder.glob("*-s*") if (p / "summary.json").exists()):
         method, seed = run.name.rsplit("-s", 1)
-        dest = out / run.name
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "summary.json"):
-            shutil.copy(run / name, dest / name)
-        config = (run / "config.yaml").read_text().splitlines()  # the run folder as commands.txt names it
-        (dest / "config.yaml").write_text("\n".join(f"out: $SCRATCH/trl/native/{run.name}" if line.startswith("out:")
-                                                   else line for line in config) + "\n")
+        copy_run(run, out / run.name, folder.parent.parent)  # $SCRATCH/trl/native is --native
         rows = metrics(run)
         steps = STEPS_PER_ITERATION * max(r["iteration"] for r in rows)
         phase = {k: sum(r.get(f"time/{k}_s", 0.0) for r in rows) / steps for k in ("sampling", "credit", "update")}

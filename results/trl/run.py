@@ -201,7 +201,8 @@ def run(name: str, args: argparse.Namespace) -> dict:
         gradient_checkpointing=False, **example.settings)
     evaluation = Evaluation(args, args.eval_every, example)
     cls = timed(TRAINERS[name])
-    vine = {"vine_config": VinePPOConfig(mc_max_states=25, **example.vine)} if name != "grpo" else {}
+    whiten = {"advantage_norm": "whiten"}  # as the native runs were made (their config.yaml)
+    vine = {"vine_config": VinePPOConfig(mc_max_states=25, **whiten, **example.vine)} if name != "grpo" else {}
     trainer = cls(model=example.model, reward_funcs=example.reward, args=config, train_dataset=example.dataset,
                   processing_class=example.tokenizer, callbacks=[evaluation], **vine)
     evaluation.trainer = trainer

@@ -37,7 +37,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable
 
 from vineppo.core import distributed as dist
-from vineppo.core.config import RULES, TrainConfig
+from vineppo.core.config import ALGOS, RULES, TrainConfig
 from vineppo.core.steps import every_n_tokens, make_splitter, step_token_ranges, token_char_offsets, token_steps
 from vineppo.credit import Credit, CreditContext, Episode, get_estimator, needs, normalise, token_mean_std
 from vineppo.engine.api import Request, Sample, SamplingParams
@@ -63,13 +63,13 @@ class VinePPOConfig:
     mc_k_min: int = _DEFAULTS.mc_k_min  # adaptive K: continuations in a state's first round (0: always mc_k)
     mc_rule: str = _DEFAULTS.mc_rule  # adaptive K: when a state is settled: agree | ci:W (Wilson half-width <= W)
     gamma: float = _DEFAULTS.gamma  # discount; VinePPO's λ is 0 by construction: A = r + γ V(next) - V(this)
-    advantage_norm: str = _DEFAULTS.advantage_norm  # whiten | scale | none: `vineppo train --advantage-norm`
+    advantage_norm: str | None = None  # scale | whiten | none, as `vineppo train --advantage-norm`; None: the method's (`--algo vineppo`: scale, `tempo`: whiten)
 
     def check(self) -> VinePPOConfig:
         """This config, or a ValueError of one line naming the first bad field."""
         for f in fields(self):
             test, rule = RULES[f.name]
-            if not test(getattr(self, f.name)):
+            if not test(getattr(self, f.name)) and not (f.name == "advantage_norm" and self.advantage_norm is None):
                 raise ValueError(f"VinePPOConfig.{f.name}={getattr(self, f.name)!r}: {rule}")
         if self.steps == "turns":
             raise ValueError("VinePPOConfig.steps='turns': TRL's multi-turn path is not supported; steps of the text")
@@ -253,6 +253,7 @@ class StepCreditTrainer(GRPOTrainer):
     """GRPOTrainer whose advantages are per token, from the vineppo estimator registered as `estimator_name`."""
 
     estimator_name = ""
+    algo = ""  # the `vineppo train --algo` it matches: its normalisation is the default one
 
     def __init__(self, *positional: Any, vine_config: VinePPOConfig | None = None, **named: Any):
         arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *positional, **named).arguments
@@ -260,6 +261,8 @@ class StepCreditTrainer(GRPOTrainer):
         if refused:
             raise ValueError(f"{type(self).__name__} refuses {refused[0]} (docs/trl.md)")
         self.vine_config = (vine_config or VinePPOConfig()).check()
+        self.advantage_norm = self.vine_config.advantage_norm or ALGOS[self.algo].settings.get(
+            "advantage_norm", _DEFAULTS.advantage_norm)
         self.estimator = get_estimator(self.estimator_name)  # tests may plant another one
         self.splitter = make_splitter(self.vine_config.steps)
         self.scorer: RewardFunctions | None = None
@@ -291,7 +294,7 @@ class StepCreditTrainer(GRPOTrainer):
                             **{f.name: getattr(self.vine_config, f.name) for f in fields(VinePPOConfig)
                                if f.name not in ("steps", "advantage_norm")})
         credit = self.credit([episodes[i] for i in has], ctx)
-        normed = normalise(credit.advantages, self.vine_config.advantage_norm)
+        normed = normalise(credit.advantages, self.advantage_norm)
         advantages = [torch.zeros(len(ep.response_ids)) for ep in episodes]
         for i, a in zip(has, normed):
             advantages[i] = a.float()
@@ -355,6 +358,7 @@ class VinePPOTrainer(StepCreditTrainer):
     generation and scored by the run's reward functions (`vine`, the estimator of `vineppo train --algo vineppo`)."""
 
     estimator_name = "vine"
+    algo = "vineppo"
 
 
 class TempoTrainer(StepCreditTrainer):
@@ -362,6 +366,7 @@ class TempoTrainer(StepCreditTrainer):
     no continuations; a group's responses may sit on several processes, so every process values the whole batch."""
 
     estimator_name = "tempo"
+    algo = "tempo"
 
     def credit(self, episodes: list[Episode], ctx: CreditContext) -> Credit:
         """The estimator over every process's episodes (gathered), this process's share of the advantages."""
