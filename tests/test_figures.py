@@ -705,9 +705,9 @@ FIGURES = [
     Figure("results/README.md", "0.61-0.73 (GRPO), 0.61-0.81 (VinePPO)", (REAL,),
            lambda r: _real(r).split(" → ")[1].replace(" (GRPO) and ", " (GRPO), ")),
     Figure("results/README.md", "12-22 minutes per run", (REAL,), _real_minutes),
-    Figure("README.md", "138 s, 0.158 → 0.461 in-run", (FRESH,), _fresh),
-    Figure("docs/performance.md", "138 s on an idle 2-core CPU from a fresh clone (40 iterations plus the evaluations "
-           "and start-up; 115 s of training), test pass@1 0.158 → 0.461", (FRESH,),
+    Figure("README.md", "218 s, 0.158 → 0.480 in-run", (FRESH,), _fresh),
+    Figure("docs/performance.md", "218 s on an idle 2-core CPU from a fresh clone (40 iterations plus the evaluations "
+           "and start-up; 183 s of training), test pass@1 0.158 → 0.480", (FRESH,),
            lambda r: f"{r['wall_clock_s']:.0f} s on an idle 2-core CPU from a fresh clone (40 iterations plus the "
                      f"evaluations and start-up; {r['summary']['train_s']:.0f} s of training), test pass@1 "
                      f"{r['summary']['sft_test_pass@1']:.3f} → {r['summary']['final_test_pass@1']:.3f}"),
