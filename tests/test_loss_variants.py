@@ -325,5 +325,7 @@ def test_the_older_whiten_advantages_spelling_still_reads_at_every_level(tmp_pat
         configs.validate(configs.TrainConfig(whiten_advantages=True, advantage_norm="none"))
     with pytest.raises(UserError, match="--whiten-advantages says whiten but --advantage-norm says scale"):
         configs.resolve(base, {"whiten_advantages": True, "advantage_norm": "scale"})  # both given: neither wins
+    with pytest.raises(UserError, match="--whiten-advantages says none but --advantage-norm says whiten"):
+        configs.resolve(base, {"whiten_advantages": False, "advantage_norm": "whiten"})  # whiten is no longer unset
     with pytest.raises(UserError, match="--advantage-norm: must be one of whiten, scale, none"):
         configs.resolve(base, {"advantage_norm": "batch"})
