@@ -1054,8 +1054,7 @@ FIGURES = [
            lambda r: "s VinePPO ran {}-{} iterations (a VinePPO iteration on these chains takes about {}-{} s on one "
                      "thread), GRPO {}-{}".format(*_long_iterations(r))),
     Figure("docs/results.md", "VinePPO ran 1-2 iterations in 180 s to GRPO's 14-22", (REGIMES,),
-           lambda r: "VinePPO ran {}-{} iterations in 180 s to GRPO's {}-{}".format(*_long_iterations(r)[:2],
-                                                                                      *_long_iterations(r)[4:])),
+           lambda r: "VinePPO ran {0}-{1} iterations in 180 s to GRPO's {4}-{5}".format(*_long_iterations(r))),
     Figure("results/regimes/README.md", "a `vineppo-entropy` iteration took 0.98× VinePPO's", (REGIMES,),
            lambda r: f"a `vineppo-entropy` iteration took {r['iteration']['entropy_over_vineppo']:.2f}× VinePPO's"),
     Figure("docs/results.md", "that cuts 38% of its careful solutions", (f"{PREP}/select.json",),

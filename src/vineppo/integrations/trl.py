@@ -37,7 +37,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable
 
 from vineppo.core import distributed as dist
-from vineppo.core.config import ALGOS, RULES, TrainConfig
+from vineppo.core.config import RULES, TrainConfig, resolve
 from vineppo.core.steps import every_n_tokens, make_splitter, step_token_ranges, token_char_offsets, token_steps
 from vineppo.credit import Credit, CreditContext, Episode, get_estimator, needs, normalise, token_mean_std
 from vineppo.engine.api import Request, Sample, SamplingParams
@@ -261,8 +261,7 @@ class StepCreditTrainer(GRPOTrainer):
         if refused:
             raise ValueError(f"{type(self).__name__} refuses {refused[0]} (docs/trl.md)")
         self.vine_config = (vine_config or VinePPOConfig()).check()
-        self.advantage_norm = self.vine_config.advantage_norm or ALGOS[self.algo].settings.get(
-            "advantage_norm", _DEFAULTS.advantage_norm)
+        self.advantage_norm = self.vine_config.advantage_norm or resolve({}, {"algo": self.algo}).advantage_norm
         self.estimator = get_estimator(self.estimator_name)  # tests may plant another one
         self.splitter = make_splitter(self.vine_config.steps)
         self.scorer: RewardFunctions | None = None
